@@ -1,0 +1,108 @@
+"""Row movement ops: gather rows, compact valid rows around MoE, restore the layout.
+
+Why ops and not plain indexing: the CP passes must find these steps in the
+graph by name (to fuse, to reorder, to check that dummy rows never reach the
+router), and Triton providers replace them on GPU.  All shapes follow from
+input shapes; ``-1`` indices produce zero rows instead of a data-dependent
+shape.  Padding provenance is described in ``docs/contracts.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .checks import check_index_range, check_same_device, check_tensor
+from .providers import select
+
+_INDEX = (torch.int64, torch.int32)
+
+
+# ------------------------------------------------------------------ take_rows
+def _check_take_rows(x: Tensor, index: Tensor) -> None:
+    check_tensor("take_rows", "x", x)
+    if x.dim() < 1:
+        raise ValueError("cpgraph.take_rows: argument 'x' must have at least 1 dimension")
+    check_tensor("take_rows", "index", index, dtype=_INDEX, ndim=1)
+    check_same_device("take_rows", x=x, index=index)
+
+
+def take_rows_reference(x: Tensor, index: Tensor) -> Tensor:
+    valid = index >= 0
+    rows = x.index_select(0, index.clamp(min=0).to(torch.int64))
+    mask = valid.view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(mask, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+@torch.library.custom_op("cpgraph::take_rows", mutates_args=())
+def take_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``out[k] = x[index[k]]``, or zeros where ``index[k] == -1``.
+
+    ``x``: ``[N, ...]`` any dtype; ``index``: int32/int64 ``[K]`` with values in
+    ``[-1, N)``.  Returns ``[K, ...]``, a new tensor.
+    """
+    _check_take_rows(x, index)
+    check_index_range("take_rows", "index", index, -1, x.shape[0])
+    return select("take_rows", x.device.type, take_rows_reference)(x, index)
+
+
+@take_rows.register_fake
+def _take_rows_fake(x, index):
+    _check_take_rows(x, index)
+    return x.new_empty((index.shape[0], *x.shape[1:]))
+
+
+# ------------------------------------------------- compact_valid / restore_compute
+def compact_valid_reference(x: Tensor, valid_rows: Tensor) -> Tensor:
+    return x.index_select(0, valid_rows.to(torch.int64))
+
+
+@torch.library.custom_op("cpgraph::compact_valid", mutates_args=())
+def compact_valid(x: Tensor, valid_rows: Tensor) -> Tensor:
+    """Keep only valid rows: ``out = x[valid_rows]`` (``[V, ...]``).
+
+    Placed before the MoE router so that CP compute padding and static
+    padding rows never take part in routing.  ``valid_rows`` comes from the
+    plan (its length is known when the batch is planned, never from data).
+    """
+    _check_take_rows(x, valid_rows)
+    check_index_range("compact_valid", "valid_rows", valid_rows, 0, x.shape[0])
+    return select("compact_valid", x.device.type, compact_valid_reference)(x, valid_rows)
+
+
+@compact_valid.register_fake
+def _compact_valid_fake(x, valid_rows):
+    _check_take_rows(x, valid_rows)
+    return x.new_empty((valid_rows.shape[0], *x.shape[1:]))
+
+
+def restore_compute_reference(y: Tensor, valid_rows: Tensor, num_rows: int) -> Tensor:
+    out = y.new_zeros((num_rows, *y.shape[1:]))
+    out.index_copy_(0, valid_rows.to(torch.int64), y)
+    return out
+
+
+def _check_restore(y: Tensor, valid_rows: Tensor, num_rows) -> None:
+    check_tensor("restore_compute", "y", y)
+    if y.dim() < 1:
+        raise ValueError("cpgraph.restore_compute: argument 'y' must have at least 1 dimension")
+    check_tensor("restore_compute", "valid_rows", valid_rows, dtype=_INDEX, ndim=1, shape=(y.shape[0],))
+    check_same_device("restore_compute", y=y, valid_rows=valid_rows)
+
+
+@torch.library.custom_op("cpgraph::restore_compute", mutates_args=())
+def restore_compute(y: Tensor, valid_rows: Tensor, num_rows: int) -> Tensor:
+    """Inverse of ``compact_valid``: ``out[valid_rows] = y``, every other row exact zero.
+
+    Returns ``[num_rows, ...]`` in the compute layout, so collectives after
+    the MoE keep their uniform per-rank shapes.
+    """
+    _check_restore(y, valid_rows, num_rows)
+    check_index_range("restore_compute", "valid_rows", valid_rows, 0, num_rows)
+    return select("restore_compute", y.device.type, restore_compute_reference)(y, valid_rows, num_rows)
+
+
+@restore_compute.register_fake
+def _restore_compute_fake(y, valid_rows, num_rows):
+    _check_restore(y, valid_rows, num_rows)
+    return y.new_empty((num_rows, *y.shape[1:]))

@@ -1,0 +1,8 @@
+"""CPU planning for CP prefill: page-aligned zigzag split and padding provenance.
+
+Deterministic and communication-free; see ``docs/plan.md``.
+"""
+
+from .plan import ROW_COMPUTE_PAD, ROW_STATIC_PAD, ROW_VALID, CPPlan, RankPlan, plan_prefill
+
+__all__ = ["plan_prefill", "CPPlan", "RankPlan", "ROW_VALID", "ROW_COMPUTE_PAD", "ROW_STATIC_PAD"]

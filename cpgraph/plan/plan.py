@@ -1,0 +1,417 @@
+"""``plan_prefill``: one deterministic description of a CP prefill batch.
+
+Every rank calls :func:`plan_prefill` with the same lengths and gets the same
+:class:`CPPlan`; there is no communication.  A rank then asks only for its own
+:class:`RankPlan` (``plan.rank(r)``), which is built vectorised from the
+per-request chunk table in :mod:`cpgraph.plan.split` and moved to the device
+once per batch (``rank_plan.to(device)``).  Forward code reads the device
+bundle and never needs a host sync.
+
+Row layout of a rank (see ``docs/plan.md`` for a drawing)::
+
+    [ req0 prev | req0 next | req1 prev | req1 next | ... | dummy ... dummy ]
+      \\____________________ valid rows ________________/ \\_ padding ___/
+
+Valid rows come first, in request order, each request's "prev" chunk before
+its "next" chunk; all dummy rows (CP compute padding, then static padding)
+sit at the tail.  Why:
+
+* every chunk starts on a page boundary and its rows are contiguous, so a
+  rank's cache write is one contiguous run of rows per chunk and whole pages
+  are written by exactly one rank;
+* ``valid_rows`` is a prefix of the rows, so compacting around the MoE
+  router is a static-shape prefix (no data-dependent sizes) and dummy rows
+  never touch KV or routing;
+* dummy rows have ``token_index == req_index == -1`` and an empty key window
+  (``ks == ke == 0``), so any kernel that honours the windows ignores them.
+
+The padding provenance rules are in ``docs/contracts.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .split import Split, chunk_owner, split_requests
+
+# Row provenance codes stored in ``RankPlan.row_kind``.
+ROW_VALID = 0
+ROW_COMPUTE_PAD = 1  # CP compute padding: evens out row counts across ranks
+ROW_STATIC_PAD = 2  # static padding: rounds rows up to ``row_align``
+
+
+def _as_int_list(name: str, values: Sequence[int]) -> list[int]:
+    try:
+        out = list(values)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of integers, got {values!r}") from None
+    for i, v in enumerate(out):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name}[{i}] (request {i}) must be an integer, got {v!r}")
+    return [int(v) for v in out]
+
+
+def _check_inputs(prefix_lens, extend_lens, cp_size, page_size, row_align):
+    for name, v in (("cp_size", cp_size), ("page_size", page_size), ("row_align", row_align)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if row_align < 1:
+        raise ValueError(f"row_align must be >= 1, got {row_align}")
+    prefix = _as_int_list("prefix_lens", prefix_lens)
+    extend = _as_int_list("extend_lens", extend_lens)
+    if len(prefix) != len(extend):
+        raise ValueError(
+            f"prefix_lens has {len(prefix)} entries but extend_lens has {len(extend)}; "
+            "they must describe the same requests"
+        )
+    if not extend:
+        raise ValueError("the batch has no requests")
+    for i, (p, e) in enumerate(zip(prefix, extend)):
+        if e < 1:
+            raise ValueError(f"request {i}: extend length must be >= 1, got {e}")
+        if p < 0:
+            raise ValueError(f"request {i}: prefix length must be >= 0, got {p}")
+        if p % page_size:
+            raise ValueError(
+                f"request {i}: prefix length {p} is not a multiple of page_size {page_size} "
+                "(cached prefixes are page aligned; floor radix hits to whole pages)"
+            )
+    return prefix, extend
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(x)
+    if x.size > 1:
+        np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+def _expand_segments(seg_start: np.ndarray, seg_len: np.ndarray) -> np.ndarray:
+    """``concat([arange(s, s + n) for s, n in zip(seg_start, seg_len)])`` without a loop."""
+    total = int(seg_len.sum())
+    offs = _exclusive_cumsum(seg_len)
+    return np.repeat(seg_start - offs, seg_len) + np.arange(total, dtype=np.int64)
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What rank ``rank`` computes, as int64 tensors (the device bundle).
+
+    Per-row tensors have length ``num_rows`` (M, equal on every rank):
+
+    * ``token_index``: row -> index into the batch's concatenated extend
+      tokens (request 0's extend, then request 1's, ...), ``-1`` for a dummy;
+    * ``positions``: absolute position ``prefix + offset`` (``0`` for a dummy);
+    * ``req_index``: the row's request, ``-1`` for a dummy;
+    * ``ks``/``ke``: the row's causal key window ``[ks, ke)`` in the
+      flattened full-view coordinates described below (``ks == ke == 0`` for
+      a dummy, an empty window);
+    * ``row_kind``: provenance, ``ROW_VALID``/``ROW_COMPUTE_PAD``/``ROW_STATIC_PAD``.
+
+    ``valid_rows`` (length ``num_valid``) lists the real rows in row order;
+    with this planner's layout it is ``arange(num_valid)``, but consumers must
+    index through it rather than assume the prefix.  ``num_valid_tensor`` is
+    the same count as a ``[1]`` tensor for static-shape device code.
+
+    Full-view coordinates: request ``i`` owns rows
+    ``[kv_start[i], kv_start[i] + kv_lens[i])`` of a flattened ragged buffer,
+    where ``kv_lens[i] = prefix + pages * page_size`` (page-tail slack is
+    included so pages stay whole; slack rows are never inside any window).
+    A valid row at position ``p`` of request ``i`` has
+    ``ks = kv_start[i]`` and ``ke = ks + p + 1``.
+
+    Per-request tensors (length B, identical on all ranks): ``prefix_lens``,
+    ``extend_lens``, ``extend_start`` (offset in the concatenated extend
+    tokens), ``kv_start``, ``kv_lens``, ``last_token_index`` (gathered row of
+    each request's last token in the rank-major ``[cp * M]`` all-gather).
+    ``extend_page_owner`` (length sum of extend pages) gives the owner rank of
+    every extend page, request-major; ``extend_page_start`` indexes into it.
+    ``rerange_index`` (length = total extend tokens) is present only when
+    requested, since only the full-hidden-states output needs it.
+    """
+
+    rank: int
+    cp_size: int
+    page_size: int
+    num_rows: int
+    num_valid: int
+    compute_padding: int
+    static_padding: int
+    token_index: torch.Tensor
+    positions: torch.Tensor
+    req_index: torch.Tensor
+    ks: torch.Tensor
+    ke: torch.Tensor
+    row_kind: torch.Tensor
+    valid_rows: torch.Tensor
+    num_valid_tensor: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    extend_start: torch.Tensor
+    kv_start: torch.Tensor
+    kv_lens: torch.Tensor
+    last_token_index: torch.Tensor
+    extend_page_owner: torch.Tensor
+    extend_page_start: torch.Tensor
+    rerange_index: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """All tensor fields by name (``rerange_index`` only if present)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v
+        return out
+
+    def to(self, device, non_blocking: bool = False) -> "RankPlan":
+        """Copy every tensor to ``device`` once; the result is the device bundle."""
+        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}
+        return replace(self, **moved)
+
+
+class CPPlan:
+    """The split of one prefill batch over a CP group (identical on all ranks).
+
+    Holds only the per-request chunk table; per-rank rows are derived on
+    demand by :meth:`rank`, so a rank never pays for other ranks' rows.
+    """
+
+    def __init__(self, prefix_lens: list[int], extend_lens: list[int], split: Split, row_align: int):
+        self.cp_size = split.cp_size
+        self.page_size = split.page_size
+        self.row_align = row_align
+        self.prefix_lens = np.asarray(prefix_lens, dtype=np.int64)
+        self.extend_lens = split.extend_lens
+        self.split = split
+        self.num_requests = len(extend_lens)
+        self.num_tokens = int(self.extend_lens.sum())
+        self.extend_start = _exclusive_cumsum(self.extend_lens)
+        self.num_pages = split.num_pages
+        self.kv_lens = self.prefix_lens + self.num_pages * self.page_size
+        self.kv_start = _exclusive_cumsum(self.kv_lens)
+        self.valid_per_rank = split.valid_rows_per_rank()
+        raw = max(int(self.valid_per_rank.max()), 1)
+        self.compute_rows = raw  # rows before static (bucket) padding
+        self.num_rows = -(-raw // row_align) * row_align
+        # Rank-local row offset of each (rank, request, side) segment; side 0 = prev, 1 = next.
+        n = 2 * self.cp_size
+        ranks = np.arange(self.cp_size)
+        self._seg_chunk = np.stack([ranks, n - 1 - ranks], axis=1)  # [cp, 2]
+        seg_len = split.tok_len[:, self._seg_chunk]  # [B, cp, 2]
+        seg_len = seg_len.transpose(1, 0, 2).reshape(self.cp_size, -1)  # [cp, B*2] in row order
+        self._seg_len = seg_len
+        self._seg_row = np.cumsum(seg_len, axis=1) - seg_len  # [cp, B*2]
+
+    # ------------------------------------------------------------------ pages
+    @property
+    def page_tail_slack(self) -> np.ndarray:
+        """``[B]`` positions after the last valid token inside the last page."""
+        return self.num_pages * self.page_size - self.extend_lens
+
+    @property
+    def compute_padding(self) -> np.ndarray:
+        """``[cp]`` dummy rows added per rank to reach the common row count."""
+        return self.compute_rows - self.valid_per_rank
+
+    @property
+    def static_padding(self) -> int:
+        """Dummy rows per rank added by rounding up to ``row_align``."""
+        return self.num_rows - self.compute_rows
+
+    def page_owners(self, i: int) -> list[int]:
+        """Owner rank of each extend page of request ``i`` (``ceil(extend/page)`` entries)."""
+        self._check_request(i)
+        return [int(x) for x in self._extend_page_owner_of(np.array([i]))]
+
+    def _extend_page_owner_of(self, reqs: np.ndarray) -> np.ndarray:
+        n = 2 * self.cp_size
+        sizes = (self.split.page_end - self.split.page_start)[reqs]  # [b, 2cp]
+        owners = np.broadcast_to(chunk_owner(n), sizes.shape)
+        return np.repeat(owners.reshape(-1), sizes.reshape(-1))
+
+    # ------------------------------------------------------------------ ranks
+    def rank(self, r: int, *, rerange: bool = False) -> RankPlan:
+        """Build rank ``r``'s bundle (CPU tensors); ``rerange`` adds ``rerange_index``."""
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.cp_size:
+            raise ValueError(f"rank must be in [0, {self.cp_size}), got {r!r}")
+        sp = self.split
+        B = self.num_requests
+        seg_req = np.repeat(np.arange(B, dtype=np.int64), 2)
+        seg_chunk = np.tile(self._seg_chunk[r], B)
+        seg_start = sp.tok_start[seg_req, seg_chunk]
+        seg_len = self._seg_len[r]
+        offs = _expand_segments(seg_start, seg_len)  # offset within request extend
+        req = np.repeat(seg_req, seg_len)
+        nv = offs.size
+        M = self.num_rows
+
+        token_index = np.full(M, -1, dtype=np.int64)
+        positions = np.zeros(M, dtype=np.int64)
+        req_index = np.full(M, -1, dtype=np.int64)
+        ks = np.zeros(M, dtype=np.int64)
+        ke = np.zeros(M, dtype=np.int64)
+        row_kind = np.full(M, ROW_STATIC_PAD, dtype=np.int64)
+        token_index[:nv] = self.extend_start[req] + offs
+        positions[:nv] = self.prefix_lens[req] + offs
+        req_index[:nv] = req
+        ks[:nv] = self.kv_start[req]
+        ke[:nv] = ks[:nv] + positions[:nv] + 1
+        row_kind[:nv] = ROW_VALID
+        row_kind[nv : self.compute_rows] = ROW_COMPUTE_PAD
+
+        owners = self._extend_page_owner_of(np.arange(B))
+        return RankPlan(
+            rank=int(r),
+            cp_size=self.cp_size,
+            page_size=self.page_size,
+            num_rows=M,
+            num_valid=nv,
+            compute_padding=int(self.compute_rows - nv),
+            static_padding=self.static_padding,
+            token_index=_t(token_index),
+            positions=_t(positions),
+            req_index=_t(req_index),
+            ks=_t(ks),
+            ke=_t(ke),
+            row_kind=_t(row_kind),
+            valid_rows=torch.arange(nv, dtype=torch.int64),
+            num_valid_tensor=torch.tensor([nv], dtype=torch.int64),
+            prefix_lens=_t(self.prefix_lens),
+            extend_lens=_t(self.extend_lens),
+            extend_start=_t(self.extend_start),
+            kv_start=_t(self.kv_start),
+            kv_lens=_t(self.kv_lens),
+            last_token_index=_t(self.last_token_index),
+            extend_page_owner=_t(owners),
+            extend_page_start=_t(_exclusive_cumsum(self.num_pages)),
+            rerange_index=_t(self.rerange_index) if rerange else None,
+        )
+
+    # ---------------------------------------------------------------- rerange
+    @property
+    def last_token_index(self) -> np.ndarray:
+        """``[B]`` row of each request's last token in the rank-major ``[cp*M]`` gather."""
+        rank, row = self._last_token_rank_row()
+        return rank * self.num_rows + row
+
+    def last_token_owner(self, i: int) -> tuple[int, int]:
+        """``(rank, row)`` holding request ``i``'s last token."""
+        self._check_request(i)
+        rank, row = self._last_token_rank_row()
+        return int(rank[i]), int(row[i])
+
+    def _last_token_rank_row(self) -> tuple[np.ndarray, np.ndarray]:
+        sp = self.split
+        last = self.extend_lens - 1
+        # Empty chunks only occur at the back (the remainder goes to the front
+        # chunks), so the last token lies in the last chunk starting at or before it.
+        chunk = (sp.tok_start <= last[:, None]).sum(axis=1) - 1
+        n = 2 * self.cp_size
+        rank = np.where(chunk < self.cp_size, chunk, n - 1 - chunk)
+        side = (chunk >= self.cp_size).astype(np.int64)
+        seg = np.arange(self.num_requests) * 2 + side
+        row = self._seg_row[rank, seg] + last - sp.tok_start[np.arange(self.num_requests), chunk]
+        return rank.astype(np.int64), row.astype(np.int64)
+
+    @property
+    def rerange_index(self) -> np.ndarray:
+        """For every extend token in global order, its row in the ``[cp*M]`` gather."""
+        B, cp = self.num_requests, self.cp_size
+        sp = self.split
+        # Segment table over (rank, request, side), flattened rank-major.
+        ranks = np.repeat(np.arange(cp), 2 * B)
+        seg_chunk = self._seg_chunk[ranks, np.tile(np.arange(2), cp * B)]
+        seg_req = np.tile(np.repeat(np.arange(B), 2), cp)
+        tok0 = self.extend_start[seg_req] + sp.tok_start[seg_req, seg_chunk]  # global token start
+        row0 = ranks * self.num_rows + self._seg_row.reshape(-1)  # gathered row start
+        length = self._seg_len.reshape(-1)
+        order = np.argsort(tok0, kind="stable")  # segments are disjoint; empty ones add nothing
+        return _expand_segments(row0[order], length[order])
+
+    # ------------------------------------------------------------------- misc
+    def _check_request(self, i) -> None:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_requests:
+            raise ValueError(f"request index must be in [0, {self.num_requests}), got {i!r}")
+
+    def to_dict(self) -> dict:
+        """A JSON-ready description of the whole plan (all ranks; for tools, not hot paths)."""
+        ranks = []
+        for r in range(self.cp_size):
+            rp = self.rank(r)
+            ranks.append(
+                {
+                    "rank": r,
+                    "num_valid": rp.num_valid,
+                    "compute_padding": rp.compute_padding,
+                    "static_padding": rp.static_padding,
+                    "token_index": rp.token_index.tolist(),
+                    "req_index": rp.req_index.tolist(),
+                    "positions": rp.positions.tolist(),
+                    "ks": rp.ks.tolist(),
+                    "ke": rp.ke.tolist(),
+                    "row_kind": rp.row_kind.tolist(),
+                }
+            )
+        return {
+            "cp_size": self.cp_size,
+            "page_size": self.page_size,
+            "row_align": self.row_align,
+            "num_rows": self.num_rows,
+            "compute_rows": self.compute_rows,
+            "requests": [
+                {
+                    "prefix": int(self.prefix_lens[i]),
+                    "extend": int(self.extend_lens[i]),
+                    "extend_pages": int(self.num_pages[i]),
+                    "first_extend_page": int(self.prefix_lens[i] // self.page_size),
+                    "page_owners": self.page_owners(i),
+                    "page_tail_slack": int(self.page_tail_slack[i]),
+                    "kv_start": int(self.kv_start[i]),
+                    "last_token": dict(zip(("rank", "row"), self.last_token_owner(i))),
+                }
+                for i in range(self.num_requests)
+            ],
+            "ranks": ranks,
+            "rerange_index": self.rerange_index.tolist(),
+            "last_token_index": self.last_token_index.tolist(),
+        }
+
+    def fingerprint(self) -> str:
+        """SHA-256 over the canonical JSON form; equal plans give equal strings."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def plan_prefill(
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    *,
+    cp_size: int,
+    page_size: int,
+    row_align: int = 1,
+) -> CPPlan:
+    """Plan a CP prefill batch.
+
+    ``prefix_lens[i]`` is request i's cached (page-aligned) prefix and
+    ``extend_lens[i]`` its new tokens.  Raises ``ValueError`` naming the
+    offending request and value on bad input.  The result depends only on the
+    arguments, so every rank computes the same plan without communicating.
+    """
+    prefix, extend = _check_inputs(prefix_lens, extend_lens, cp_size, page_size, row_align)
+    split = split_requests(np.asarray(extend, dtype=np.int64), cp_size=int(cp_size), page_size=int(page_size))
+    return CPPlan(prefix, extend, split, int(row_align))
