@@ -97,10 +97,25 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
 
 
 def _expand_segments(seg_start: np.ndarray, seg_len: np.ndarray) -> np.ndarray:
-    """``concat([arange(s, s + n) for s, n in zip(seg_start, seg_len)])`` without a loop."""
-    total = int(seg_len.sum())
-    offs = _exclusive_cumsum(seg_len)
-    return np.repeat(seg_start - offs, seg_len) + np.arange(total, dtype=np.int64)
+    """``concat([arange(s, s + n) for s, n in zip(seg_start, seg_len)])`` without a loop.
+
+    Built as one running sum over a buffer of ones with a jump at each segment
+    start: a single allocation and a single pass, which matters for the
+    million-entry rerange index.
+    """
+    keep = seg_len > 0
+    start, length = seg_start[keep], seg_len[keep]
+    total = int(length.sum())
+    out = np.ones(total, dtype=np.int64)
+    if total == 0:
+        return out
+    first = _exclusive_cumsum(length)
+    prev_last = np.empty_like(start)
+    prev_last[0] = -1
+    prev_last[1:] = start[:-1] + length[:-1] - 1
+    out[first] = start - prev_last
+    out[0] = start[0]
+    return np.cumsum(out, out=out)
 
 
 def _t(a: np.ndarray) -> torch.Tensor:

@@ -55,9 +55,9 @@ def render_plan(plan: CPPlan) -> str:
             pos = tok[a:b]
             breaks = np.flatnonzero(np.diff(pos) != 1) + 1
             for seg in np.split(pos, breaks):
-                parts.append(f"req{v}[pos {seg[0]}-{seg[-1]}]")
+                parts.append(f"req{v}[pos {_span(int(seg[0]), int(seg[-1]) + 1)}]")
         pad = rp.compute_padding + rp.static_padding
-        dummy = f"rows {rp.num_valid}-{rp.num_rows - 1}" if pad else "none"
+        dummy = f"row(s) {_span(rp.num_valid, rp.num_rows)}" if pad else "none"
         lines.append(f"  rank {r}: {rp.num_valid} valid row(s): {' '.join(parts) if parts else '(none)'}")
         lines.append(
             f"          dummy rows: {dummy} ({rp.compute_padding} compute padding, "

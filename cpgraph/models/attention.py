@@ -1,0 +1,116 @@
+"""MLA attention in absorbed form, restricted to the indexer's top-k keys.
+
+Per layer (DOMAIN.md section 1):
+
+* queries: ``q = q_b(rmsnorm(q_a(x)))`` -> per head ``[q_nope | q_pe]``; RoPE on
+  ``q_pe``; ``q_nope`` is absorbed into the latent space with ``W_UK`` so a
+  query is ``[q_nope @ W_UK | q_pe]`` (width ``kv_lora + rope``);
+* keys/values: one shared record per token ``[rmsnorm(c) | rope(k_pe)]``
+  written to the paged MLA cache at ``row_slots``; the full view (prefix and
+  current tokens of every request, in the plan's full-view coordinates) is
+  read back from the cache at ``kv_slots``.  Under CP a compiler pass
+  replaces this store/gather pair by the owner-sharded materialisation;
+* ``cpgraph::sparse_mla`` attends over the selected full-view rows with
+  softmax scale ``qk_head_dim^-0.5`` (x yarn mscale^2), values = latents;
+  the latent output goes through ``W_UV`` and ``o_proj``.
+
+Dense records are ``[latent | k_pe]`` in the model dtype; FP8 records are the
+656-byte format (``mla_fp8_pack`` / ``mla_fp8_unpack``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+import cpgraph.ops.codecs  # noqa: F401  (registers mla_fp8_pack / mla_dense_pack)
+import cpgraph.ops.rows  # noqa: F401
+
+from .batch import BatchMeta, KVLayout
+from .config import DSAConfig
+from .indexer import Indexer
+from .layers import RMSNorm, rope_interleaved, softmax_scale
+
+_ops = torch.ops.cpgraph
+
+
+def _paged_ops():
+    # Imported lazily: these modules are written by other people in parallel and
+    # registering them at import time of cpgraph.models would make a missing
+    # file break ``import cpgraph.models`` for the loaders and the CLI.
+    import cpgraph.ops.paged  # noqa: F401
+    import cpgraph.ops.sparse_mla  # noqa: F401
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DSAConfig, layer_idx: int):
+        super().__init__()
+        _paged_ops()
+        self.layer_idx = layer_idx
+        self.num_heads = H = cfg.num_attention_heads
+        self.nope = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.v_dim = cfg.v_head_dim
+        self.sm_scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+        bias = cfg.attention_bias
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)  # eps 1e-6 as in transformers (not rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=bias)
+        # IndexCache: a "shared" layer owns no indexer at all (no weights, no compute, no index-K pages).
+        self.indexer = Indexer(cfg) if cfg.indexer_types[layer_idx] == "full" else None
+
+    def _absorbed(self) -> tuple[Tensor, Tensor]:
+        """``W_UK [H, nope, L]`` and ``W_UV [H, v, L]`` as views of ``kv_b_proj``."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        meta: BatchMeta,
+        layout: KVLayout,
+        mla_pool: Tensor,
+        index_pool: Tensor | None,
+        prev_topk: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """``x`` ``[M, hidden]`` (normed) -> (``[M, hidden]``, top-k ``int32 [M, k]`` ragged ids)."""
+        M = x.shape[0]
+        H = self.num_heads
+        w_uk, w_uv = self._absorbed()
+
+        q_lat = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_lat).view(M, H, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_pe = rope_interleaved(q_pe, cos, sin)
+        q_abs = torch.einsum("mhn,hnl->mhl", q_nope, w_uk)
+        q_full = torch.cat((q_abs, q_pe), dim=-1)  # [M, H, L + R]
+
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(c)
+        k_pe = rope_interleaved(k_pe, cos, sin)
+
+        # Write current rows to the cache, read the full view back (single device).
+        if layout.kv_format == "fp8":
+            _ops.paged_store(mla_pool, _ops.mla_fp8_pack(c, k_pe), meta.row_slots)
+            kv = _ops.mla_fp8_unpack(_ops.paged_gather(mla_pool, meta.kv_slots), x.dtype)
+        else:
+            _ops.paged_store(mla_pool, _ops.mla_dense_pack(c, k_pe), meta.row_slots)
+            kv = _ops.paged_gather(mla_pool, meta.kv_slots)
+
+        if self.indexer is not None:
+            topk = self.indexer(x, q_lat, cos, sin, meta, layout, index_pool)
+        else:
+            if prev_topk is None:
+                raise ValueError(f"layer {self.layer_idx} is a shared-indexer layer but no earlier layer ran one")
+            topk = prev_topk
+
+        out_lat, _lse = _ops.sparse_mla(q_full, kv, topk, self.sm_scale, self.kv_lora)
+        out = torch.einsum("mhl,hvl->mhv", out_lat, w_uv).reshape(M, H * self.v_dim)
+        return self.o_proj(out), topk

@@ -1,0 +1,90 @@
+"""The lightning indexer: picks each query row's top-k keys for sparse MLA.
+
+``iq = wq_b(q_lat)`` viewed ``[H_idx, D]``, ``ik = LayerNorm(wk(x))`` ``[D]``,
+RoPE on the first ``qk_rope_head_dim`` dims of both (half-split for
+DeepSeek-V3.2, interleaved for GLM-5: ``config.indexer_rope``),
+``w = weights_proj(x)`` in fp32.  The score of key ``t`` for row ``s`` is
+``sum_h w[s,h] * H^-0.5 * D^-0.5 * relu(iq[s,h] . ik[t])`` over the causal
+window ``[ks, ke)``; all scale factors are folded into ``w`` before the op.
+
+Keys are stored per layer in the index-K cache and the full view is read back
+through ``kv_slots`` (the store/gather pair the CP pass rewrites):
+
+* ``dense``: slot-major ``[slots, D]`` pool in the model dtype; scoring with
+  ``cpgraph::indexer_topk`` (fused logits + top-k, chunked by a byte budget);
+* ``fp8``: production form -- an orthonormal Hadamard on ``iq`` and ``ik``
+  (dot products unchanged, outliers spread before quantisation), keys stored
+  as e4m3 + one power-of-two scale per token (``index_k_store``), queries
+  quantised with the scale folded into ``w`` (``indexer_q_quant``), logits by
+  ``indexer_logits_fp8``, selection by ``topk_ragged``.
+
+Output: ``int32 [M, topk]`` row ids in the full view (ragged coordinates,
+already offset by the request start), best first, ``-1`` padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .batch import BatchMeta, KVLayout
+from .config import DSAConfig
+from .layers import ROPE_STYLES
+
+_ops = torch.ops.cpgraph
+
+
+def _indexer_ops():
+    import cpgraph.ops.indexer  # noqa: F401
+    import cpgraph.ops.paged  # noqa: F401
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: DSAConfig):
+        super().__init__()
+        _indexer_ops()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.rope = ROPE_STYLES[cfg.indexer_rope]
+        self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        # fp32 whatever the model dtype, as in transformers (_keep_in_fp32_modules).
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+
+    def _rope_first(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat((self.rope(rot, cos, sin), rest), dim=-1)
+
+    def forward(
+        self,
+        x: Tensor,
+        q_lat: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        meta: BatchMeta,
+        layout: KVLayout,
+        index_pool: Tensor,
+    ) -> Tensor:
+        M = x.shape[0]
+        q = self.wq_b(q_lat).view(M, self.n_heads, self.head_dim)
+        q = self._rope_first(q, cos, sin)
+        k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
+
+        if layout.kv_format == "fp8":
+            q = _ops.hadamard(q)
+            k = _ops.hadamard(k)
+            _ops.index_k_store(index_pool, k, meta.row_slots, layout.page_size)
+            k_bytes, k_scale = _ops.index_k_gather(index_pool, meta.kv_slots, layout.page_size, self.head_dim)
+            q_bytes, w_q = _ops.indexer_q_quant(q, w)
+            # head_dim <= 128 -> one scale block per token (checked when the layout is built).
+            logits = _ops.indexer_logits_fp8(q_bytes, k_bytes, k_scale[:, 0].contiguous(), w_q, meta.ks, meta.ke)
+            return _ops.topk_ragged(logits, meta.ks, meta.ke, self.topk)
+
+        _ops.paged_store(index_pool, k.to(index_pool.dtype), meta.row_slots)
+        k_full = _ops.paged_gather(index_pool, meta.kv_slots)
+        return _ops.indexer_topk(q, k_full, w, meta.ks, meta.ke, self.topk, layout.max_logits_bytes)

@@ -1,0 +1,141 @@
+"""Row-local building blocks: RMSNorm, RoPE tables and rotations, the dense MLP.
+
+Everything here maps ``[rows, ...] -> [rows, ...]`` with no mixing across
+rows, which is what lets the CP compiler pass run these pieces on a rank's own
+rows only.  Parameter names equal the Hugging Face names so that a state dict
+maps one to one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, statistics in fp32 (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts)."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---------------------------------------------------------------------- RoPE
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    """Inverse frequencies ``[dim/2]`` and the cos/sin amplitude factor.
+
+    ``default``: ``theta^(-2i/dim)``, factor 1.  ``yarn``: per-frequency blend
+    of interpolated (``/factor``) and original frequencies with a linear ramp
+    between the correction dims for ``beta_fast``/``beta_slow`` rotations;
+    the amplitude factor is ``attention_factor`` or ``mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim)`` (DeepSeek's form), as in the YaRN paper
+    and transformers 5.24.
+    """
+    base = rope.theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    pos_freqs = base**exponents
+    if rope.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = rope.factor
+    attn = rope.attention_factor
+    if attn is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attn = float(_yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim))
+        else:
+            attn = _yarn_mscale(factor)
+
+    def corr_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep_original = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - keep_original) + (1.0 / pos_freqs) * keep_original
+    return inv, attn
+
+
+def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
+    """MLA softmax scale: ``qk_head_dim^-0.5`` (not ``576^-0.5``), times yarn ``mscale_all_dim``^2."""
+    scale = qk_head_dim**-0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        m = _yarn_mscale(rope.factor, rope.mscale_all_dim)
+        scale = scale * m * m
+    return scale
+
+
+class RotaryTable(nn.Module):
+    """Turns positions ``[M]`` into ``(cos, sin)`` of shape ``[M, dim/2]`` (one angle per pair)."""
+
+    def __init__(self, rope: RopeConfig, dim: int):
+        super().__init__()
+        inv_freq, self.amplitude = rope_inv_freq(rope, dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        cos = angles.cos() * self.amplitude
+        sin = angles.sin() * self.amplitude
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs ``(x[2i], x[2i+1])`` by angle ``i``; output keeps the interleaved layout.
+
+    ``x``: ``[M, ..., dim]``; ``cos``/``sin``: ``[M, dim/2]``.  transformers
+    returns the same values de-interleaved (``[evens | odds]``); both layouts
+    give identical dot products, and this one is what serving engines cache.
+    """
+    shape = x.shape
+    pairs = x.reshape(*shape[:-1], shape[-1] // 2, 2)
+    c = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), cos.shape[-1])
+    s = sin.view(sin.shape[0], *([1] * (x.dim() - 2)), sin.shape[-1])
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack((a * c - b * s, b * c + a * s), dim=-1).reshape(shape)
+
+
+def rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate half-split pairs ``(x[i], x[i + dim/2])`` by angle ``i`` (NeoX / "rotate_half" style)."""
+    half = x.shape[-1] // 2
+    c = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), half)
+    s = sin.view(sin.shape[0], *([1] * (x.dim() - 2)), half)
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+
+
+ROPE_STYLES = {"interleaved": rope_interleaved, "neox": rope_neox}

@@ -1,0 +1,393 @@
+"""Lightning-indexer ops: scores, FP8 scoring, Hadamard, top-k in two coordinate spaces.
+
+The indexer picks, for every query row, the ``topk`` keys that sparse MLA will
+attend to.  Its score is ``sum_h w[s,h] * relu(q[s,h] . k[t])`` over the row's
+causal window ``[ks, ke)`` of the flattened ragged full view (see
+``cpgraph.plan``: ``ke = ks + position + 1``; dummy rows have ``ks == ke``).
+All scale factors (``H^-0.5 * D^-0.5``, the FP8 q scale) are folded into the
+per-head weights by the caller, because the production kernel (DeepGEMM
+``fp8_mqa_logits``) takes weights but no separate scales for q.
+
+Why the ops are split the way they are:
+
+* ``indexer_logits`` (fp32) is the oracle form, comparable with the
+  transformers DeepSeek-V3.2 indexer; ``indexer_q_quant`` +
+  ``indexer_logits_fp8`` are the production form (e4m3 bytes, power-of-two
+  scales), so a provider can bind the FP8 kernel without changing the graph.
+* top-k has two outputs spaces.  RAGGED ids index the flattened full view
+  (already offset by the request start), which is what the materialised KV
+  buffer uses; PAGED ids are physical KV slots (``kv_slots[t]``), which is
+  what a kernel reading the paged pool uses.  They differ as soon as a batch
+  holds more than one request or pages are not allocated in order, so they
+  are separate ops instead of a flag nobody tests.
+* ``indexer_topk`` fuses scores and selection in row chunks: the ``[M, N]``
+  fp32 score matrix of a long prefill does not fit in memory (128K x 128K x 4
+  bytes = 64 GiB), while a chunk of rows does.  The chunk size depends only on
+  shapes and the byte budget, never on data, so it is the same on every rank
+  and under every compile.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .checks import check_index_range, check_same_device, check_tensor, debug_enabled
+from .providers import select
+
+_INDEX = (torch.int64, torch.int32)
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+E4M3_MAX = 448.0
+QUANT_BLOCK = 128  # values covered by one ue8m0 scale
+_HEAD_GROUP = 8  # heads scored together in the reference (bounds the transient)
+
+
+# ---------------------------------------------------------------- shared checks
+def _check_window(op: str, m, ks: Tensor, ke: Tensor) -> None:
+    check_tensor(op, "ks", ks, dtype=_INDEX, ndim=1, shape=(m,))
+    check_tensor(op, "ke", ke, dtype=_INDEX, ndim=1, shape=(m,))
+
+
+def _check_window_values(op: str, ks: Tensor, ke: Tensor, num_keys) -> None:
+    """Debug-only value checks: ``0 <= ks <= ke <= N``."""
+    if not debug_enabled():
+        return
+    check_index_range(op, "ks", ks, 0, num_keys + 1)
+    check_index_range(op, "ke", ke, 0, num_keys + 1)
+    check_index_range(op, "ke - ks", ke - ks, 0, num_keys + 1)
+
+
+def _check_topk_arg(op: str, topk) -> None:
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"cpgraph.{op}: argument 'topk' must be an int >= 1, got {topk!r}")
+
+
+def _check_scoring(op: str, q: Tensor, k: Tensor, weights: Tensor, ks: Tensor, ke: Tensor) -> None:
+    check_tensor(op, "q", q, dtype=_FLOAT, ndim=3)
+    m, h, d = q.shape
+    check_tensor(op, "k", k, dtype=_FLOAT, ndim=2, shape=(None, d))
+    check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, shape=(m, h))
+    _check_window(op, m, ks, ke)
+    check_same_device(op, q=q, k=k, weights=weights, ks=ks, ke=ke)
+
+
+# ------------------------------------------------------------ scoring kernels
+def _window_mask(ks: Tensor, ke: Tensor, num_keys: int) -> Tensor:
+    """``[M, N]`` bool: key column ``t`` lies in row ``s``'s window ``[ks, ke)``."""
+    cols = torch.arange(num_keys, device=ks.device)
+    return (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
+
+
+def _masked_logits(q: Tensor, k: Tensor, weights: Tensor, ks: Tensor, ke: Tensor) -> Tensor:
+    """fp32 ``[M, N]`` window-masked scores; ``q``/``k`` are already real-valued.
+
+    Heads are accumulated a group at a time, so the transient is
+    ``[M, group, N]`` rather than ``[M, H, N]``.
+    """
+    m, h, _ = q.shape
+    n = k.shape[0]
+    qf = q.float()
+    kt = k.float().t()
+    out = torch.zeros((m, n), dtype=torch.float32, device=q.device)
+    for h0 in range(0, h, _HEAD_GROUP):
+        h1 = min(h, h0 + _HEAD_GROUP)
+        dots = torch.matmul(qf[:, h0:h1, :], kt)  # [M, g, N]
+        dots.relu_()
+        out += torch.einsum("mg,mgn->mn", weights[:, h0:h1], dots)
+    return out.masked_fill_(~_window_mask(ks, ke, n), float("-inf"))
+
+
+def _select_topk(logits: Tensor, ks: Tensor, ke: Tensor, topk: int) -> Tensor:
+    """int32 ``[M, topk]`` ragged ids of the best in-window keys, ``-1`` padded.
+
+    The window is applied again here (``logits`` may come from a kernel that
+    writes garbage outside it).  Columns are padded with ``-inf`` up to
+    ``topk`` so ``torch.topk`` is defined for short views; any pick outside
+    the window (a ``-inf`` filler) becomes ``-1``, which sorts the padding to
+    the tail because every in-window score is finite.
+    """
+    n = logits.shape[1]
+    inside = _window_mask(ks, ke, n)
+    masked = torch.where(inside, logits.float(), torch.full((), float("-inf"), device=logits.device))
+    if n < topk:
+        masked = F.pad(masked, (0, topk - n), value=float("-inf"))
+    idx = masked.topk(topk, dim=1, largest=True, sorted=True).indices
+    keep = (idx >= ks[:, None]) & (idx < ke[:, None])
+    return torch.where(keep, idx, torch.full((), -1, dtype=idx.dtype, device=idx.device)).to(torch.int32)
+
+
+# ---------------------------------------------------------------- indexer_logits
+def indexer_logits_reference(q, k, weights, ks, ke):
+    return _masked_logits(q, k, weights, ks, ke)
+
+
+@torch.library.custom_op("cpgraph::indexer_logits", mutates_args=())
+def indexer_logits(q: Tensor, k: Tensor, weights: Tensor, ks: Tensor, ke: Tensor) -> Tensor:
+    """fp32 ``[M, N]``: ``sum_h weights[s,h] * relu(q[s,h] . k[t])`` for ``ks[s] <= t < ke[s]``, else ``-inf``.
+
+    ``q`` ``[M, H, D]`` and ``k`` ``[N, D]`` are float (any of fp32/bf16/fp16,
+    computed in fp32); ``weights`` fp32 ``[M, H]`` carries every scale;
+    ``ks``/``ke`` int32/int64 ``[M]`` with ``0 <= ks <= ke <= N``.
+    """
+    _check_scoring("indexer_logits", q, k, weights, ks, ke)
+    _check_window_values("indexer_logits", ks, ke, k.shape[0])
+    return select("indexer_logits", q.device.type, indexer_logits_reference)(q, k, weights, ks, ke)
+
+
+@indexer_logits.register_fake
+def _indexer_logits_fake(q, k, weights, ks, ke):
+    _check_scoring("indexer_logits", q, k, weights, ks, ke)
+    return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
+
+
+# ------------------------------------------------------------- indexer_q_quant
+def _check_q_quant(q: Tensor, weights: Tensor) -> None:
+    check_tensor("indexer_q_quant", "q", q, dtype=_FLOAT, ndim=3)
+    m, h, d = q.shape
+    if isinstance(d, int) and d > QUANT_BLOCK:
+        raise ValueError(
+            f"cpgraph.indexer_q_quant: argument 'q' head dim must be <= {QUANT_BLOCK} (one ue8m0 scale per "
+            f"head row can be folded into the weights, several cannot), got shape {tuple(q.shape)}"
+        )
+    check_tensor("indexer_q_quant", "weights", weights, dtype=torch.float32, ndim=2, shape=(m, h))
+    check_same_device("indexer_q_quant", q=q, weights=weights)
+
+
+def ue8m0_scale(amax: Tensor) -> Tensor:
+    """Power-of-two scale ``2^ceil(log2(max(amax, 1e-4) / 448))`` (fp32).
+
+    A power of two is exact to divide by and is what the ue8m0 scale format
+    of the production kernels can represent.
+    """
+    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(1e-4) / E4M3_MAX)))
+
+
+def e4m3_bytes(x: Tensor, scale: Tensor) -> Tensor:
+    """uint8 e4m3 bytes of ``x / scale`` (``scale`` broadcast over the last dim)."""
+    y = (x.float() / scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)
+    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def indexer_q_quant_reference(q, weights):
+    scale = ue8m0_scale(q.float().abs().amax(dim=-1))  # [M, H]
+    return e4m3_bytes(q, scale), weights * scale
+
+
+@torch.library.custom_op("cpgraph::indexer_q_quant", mutates_args=())
+def indexer_q_quant(q: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Quantise indexer queries to e4m3 and fold each head row's scale into the weights.
+
+    Returns ``(q_bytes uint8 [M, H, D], weights * q_scale fp32 [M, H])`` with
+    ``q_scale = 2^ceil(log2(max(amax_row, 1e-4) / 448))`` per ``(s, h)`` row
+    (``D <= 128``: one 128-value block, exactly the production layout).  The
+    fold is exact because ``relu(c * x) = c * relu(x)`` for ``c > 0``.
+    """
+    _check_q_quant(q, weights)
+    return select("indexer_q_quant", q.device.type, indexer_q_quant_reference)(q, weights)
+
+
+@indexer_q_quant.register_fake
+def _indexer_q_quant_fake(q, weights):
+    _check_q_quant(q, weights)
+    return q.new_empty(q.shape, dtype=torch.uint8), weights.new_empty(weights.shape)
+
+
+# ----------------------------------------------------------- indexer_logits_fp8
+def _check_logits_fp8(q_bytes, k_bytes, k_scale, weights, ks, ke) -> None:
+    op = "indexer_logits_fp8"
+    check_tensor(op, "q_bytes", q_bytes, dtype=torch.uint8, ndim=3)
+    m, h, d = q_bytes.shape
+    check_tensor(op, "k_bytes", k_bytes, dtype=torch.uint8, ndim=2, shape=(None, d))
+    check_tensor(op, "k_scale", k_scale, dtype=torch.float32, ndim=1, shape=(k_bytes.shape[0],))
+    check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, shape=(m, h))
+    _check_window(op, m, ks, ke)
+    check_same_device(op, q_bytes=q_bytes, k_bytes=k_bytes, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
+
+
+def e4m3_decode(b: Tensor) -> Tensor:
+    """fp32 values of uint8 e4m3 bytes."""
+    return b.view(torch.float8_e4m3fn).float()
+
+
+def indexer_logits_fp8_reference(q_bytes, k_bytes, k_scale, weights, ks, ke):
+    keys = e4m3_decode(k_bytes) * k_scale.unsqueeze(-1)
+    return _masked_logits(e4m3_decode(q_bytes), keys, weights, ks, ke)
+
+
+@torch.library.custom_op("cpgraph::indexer_logits_fp8", mutates_args=())
+def indexer_logits_fp8(
+    q_bytes: Tensor, k_bytes: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor, ke: Tensor
+) -> Tensor:
+    """FP8 form of ``indexer_logits`` (the DeepGEMM ``fp8_mqa_logits`` contract).
+
+    ``logits[s,t] = sum_h weights[s,h] * relu(e4m3(q_bytes[s,h]) . e4m3(k_bytes[t]) * k_scale[t])``
+    inside ``[ks[s], ke[s])``, ``-inf`` outside.  The q scale is already in
+    ``weights`` (see ``indexer_q_quant``); ``k_scale`` is one fp32 per key row.
+    """
+    _check_logits_fp8(q_bytes, k_bytes, k_scale, weights, ks, ke)
+    _check_window_values("indexer_logits_fp8", ks, ke, k_bytes.shape[0])
+    fn = select("indexer_logits_fp8", q_bytes.device.type, indexer_logits_fp8_reference)
+    return fn(q_bytes, k_bytes, k_scale, weights, ks, ke)
+
+
+@indexer_logits_fp8.register_fake
+def _indexer_logits_fp8_fake(q_bytes, k_bytes, k_scale, weights, ks, ke):
+    _check_logits_fp8(q_bytes, k_bytes, k_scale, weights, ks, ke)
+    return weights.new_empty((q_bytes.shape[0], k_bytes.shape[0]))
+
+
+# --------------------------------------------------------------------- hadamard
+def _check_hadamard(x: Tensor) -> None:
+    check_tensor("hadamard", "x", x, dtype=_FLOAT)
+    if x.dim() < 1:
+        raise ValueError("cpgraph.hadamard: argument 'x' must have at least 1 dimension")
+    d = x.shape[-1]
+    if isinstance(d, int) and (d < 1 or d & (d - 1)):
+        raise ValueError(f"cpgraph.hadamard: argument 'x' last dim must be a power of two, got shape {tuple(x.shape)}")
+
+
+def hadamard_reference(x):
+    d = x.shape[-1]
+    y = x.float().reshape(-1, d)
+    h = 1
+    while h < d:  # butterflies on the Sylvester ordering: H_2n = [[H, H], [H, -H]]
+        y = y.view(-1, d // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * (d**-0.5)).to(x.dtype)
+
+
+@torch.library.custom_op("cpgraph::hadamard", mutates_args=())
+def hadamard(x: Tensor) -> Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim (``D`` a power of two).
+
+    ``out = x @ H_D / sqrt(D)`` with the Sylvester ``H_D``
+    (``H[i,j] = (-1)^popcount(i & j)``), computed in fp32 and cast back.
+    Production applies it to indexer q and k before FP8 quantisation: it is
+    orthonormal, so ``q . k`` is unchanged, but it spreads outliers across the
+    block, which shrinks the ue8m0 scale error.
+    """
+    _check_hadamard(x)
+    return select("hadamard", x.device.type, hadamard_reference)(x)
+
+
+@hadamard.register_fake
+def _hadamard_fake(x):
+    _check_hadamard(x)
+    return torch.empty_like(x)
+
+
+# ------------------------------------------------------------------------ top-k
+def _check_topk(op: str, logits: Tensor, ks: Tensor, ke: Tensor, topk) -> None:
+    check_tensor(op, "logits", logits, dtype=torch.float32, ndim=2)
+    _check_window(op, logits.shape[0], ks, ke)
+    _check_topk_arg(op, topk)
+    check_same_device(op, logits=logits, ks=ks, ke=ke)
+
+
+def topk_ragged_reference(logits, ks, ke, topk):
+    return _select_topk(logits, ks, ke, topk)
+
+
+@torch.library.custom_op("cpgraph::topk_ragged", mutates_args=())
+def topk_ragged(logits: Tensor, ks: Tensor, ke: Tensor, topk: int) -> Tensor:
+    """int32 ``[M, topk]``: the best keys of each row's window, in RAGGED coordinates.
+
+    Values are column ids ``t`` of ``logits`` with ``ks[s] <= t < ke[s]``,
+    i.e. row ids of the flattened ragged full view, already offset by the
+    request start.  Best first; ``-1`` fills the tail when the window holds
+    fewer than ``topk`` keys (all ``-1`` for a dummy row, ``ks == ke``).
+    Ties are broken arbitrarily (as in ``torch.topk``).
+    """
+    _check_topk("topk_ragged", logits, ks, ke, topk)
+    _check_window_values("topk_ragged", ks, ke, logits.shape[1])
+    return select("topk_ragged", logits.device.type, topk_ragged_reference)(logits, ks, ke, topk)
+
+
+@topk_ragged.register_fake
+def _topk_ragged_fake(logits, ks, ke, topk):
+    _check_topk("topk_ragged", logits, ks, ke, topk)
+    return logits.new_empty((logits.shape[0], topk), dtype=torch.int32)
+
+
+def _check_topk_paged(logits, ks, ke, topk, kv_slots) -> None:
+    _check_topk("topk_paged", logits, ks, ke, topk)
+    check_tensor("topk_paged", "kv_slots", kv_slots, dtype=torch.int64, ndim=1, shape=(logits.shape[1],))
+    check_same_device("topk_paged", logits=logits, kv_slots=kv_slots)
+
+
+def topk_paged_reference(logits, ks, ke, topk, kv_slots):
+    ragged = _select_topk(logits, ks, ke, topk).long()
+    slots = kv_slots.index_select(0, ragged.clamp(min=0).view(-1)).view(ragged.shape)
+    return torch.where(ragged >= 0, slots, torch.full((), -1, dtype=slots.dtype, device=slots.device)).to(torch.int32)
+
+
+@torch.library.custom_op("cpgraph::topk_paged", mutates_args=())
+def topk_paged(logits: Tensor, ks: Tensor, ke: Tensor, topk: int, kv_slots: Tensor) -> Tensor:
+    """Same selection as ``topk_ragged``, values mapped to PAGED coordinates ``kv_slots[t]``.
+
+    ``kv_slots`` int64 ``[N]`` maps each full-view row to its physical KV slot
+    (``page * page_size + offset``); ``-1`` stays ``-1``.  Slot ids are what a
+    kernel that reads the paged pool directly consumes.
+    """
+    _check_topk_paged(logits, ks, ke, topk, kv_slots)
+    _check_window_values("topk_paged", ks, ke, logits.shape[1])
+    return select("topk_paged", logits.device.type, topk_paged_reference)(logits, ks, ke, topk, kv_slots)
+
+
+@topk_paged.register_fake
+def _topk_paged_fake(logits, ks, ke, topk, kv_slots):
+    _check_topk_paged(logits, ks, ke, topk, kv_slots)
+    return logits.new_empty((logits.shape[0], topk), dtype=torch.int32)
+
+
+# ------------------------------------------------------------------ indexer_topk
+def logits_chunk_rows(num_keys: int, max_logits_bytes: int) -> int:
+    """Rows per chunk so that a chunk's fp32 ``[rows, num_keys]`` logits fit the budget (>= 1)."""
+    return max(1, max_logits_bytes // (4 * max(num_keys, 1)))
+
+
+def _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes) -> None:
+    _check_scoring("indexer_topk", q, k, weights, ks, ke)
+    _check_topk_arg("indexer_topk", topk)
+    if isinstance(max_logits_bytes, bool) or not isinstance(max_logits_bytes, int) or max_logits_bytes < 1:
+        raise ValueError(
+            f"cpgraph.indexer_topk: argument 'max_logits_bytes' must be an int >= 1, got {max_logits_bytes!r}"
+        )
+
+
+def indexer_topk_reference(q, k, weights, ks, ke, topk, max_logits_bytes):
+    m, n = q.shape[0], k.shape[0]
+    rows = logits_chunk_rows(n, max_logits_bytes)
+    out = torch.empty((m, topk), dtype=torch.int32, device=q.device)
+    for a in range(0, m, rows):
+        b = min(m, a + rows)
+        logits = _masked_logits(q[a:b], k, weights[a:b], ks[a:b], ke[a:b])
+        out[a:b] = _select_topk(logits, ks[a:b], ke[a:b], topk)
+    return out
+
+
+@torch.library.custom_op("cpgraph::indexer_topk", mutates_args=())
+def indexer_topk(
+    q: Tensor, k: Tensor, weights: Tensor, ks: Tensor, ke: Tensor, topk: int, max_logits_bytes: int
+) -> Tensor:
+    """Fused ``topk_ragged(indexer_logits(q, k, weights, ks, ke), ks, ke, topk)`` in row chunks.
+
+    Rows are scored ``logits_chunk_rows(N, max_logits_bytes)`` at a time so a
+    chunk's fp32 ``[rows, N]`` logits never exceed ``max_logits_bytes``
+    (at least one row per chunk).  The chunking depends on shapes and the
+    budget only, so results do not depend on it.  Returns int32 ``[M, topk]``
+    RAGGED ids (map to slots with ``take_rows``/``topk_paged`` semantics).
+    """
+    _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes)
+    _check_window_values("indexer_topk", ks, ke, k.shape[0])
+    fn = select("indexer_topk", q.device.type, indexer_topk_reference)
+    return fn(q, k, weights, ks, ke, topk, max_logits_bytes)
+
+
+@indexer_topk.register_fake
+def _indexer_topk_fake(q, k, weights, ks, ke, topk, max_logits_bytes):
+    _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes)
+    return q.new_empty((q.shape[0], topk), dtype=torch.int32)
