@@ -62,7 +62,13 @@ def index_k_page_bytes(page_size: int, head_dim: int) -> int:
 
 
 def check_page_size(op: str, page_size) -> None:
-    """Pages are addressed with ``//`` and ``%``; production requires powers of two."""
+    """Pages are addressed with ``//`` and ``%``; production requires powers of two.
+
+    A symbolic ``page_size`` (an int argument the compiler made dynamic) is
+    accepted unchecked: checking it would add a guard for nothing.
+    """
+    if isinstance(page_size, torch.SymInt):
+        return
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"cpgraph.{op}: argument 'page_size' must be a positive power of two, got {page_size!r}")
 

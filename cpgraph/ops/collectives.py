@@ -164,13 +164,17 @@ def cp_last_tokens_decomposed(
     check_index_range("cp_last_tokens", "last_token_index", last_token_index, 0, world_size * num_rows)
     if rank is None:
         rank = resolve_group("cp_last_tokens", group_name, world_size).rank()
+    # Non-owners contribute -0.0: it is the exact identity of IEEE addition
+    # (-0.0 + x == x for every x, signed zeros included), so the sum over
+    # ranks reproduces the owner's row bit for bit in any float dtype and
+    # any reduction order.
+    fill = -0.0 if rows.is_floating_point() else 0
+    if num_rows == 0:  # nothing to own; still join the collective every rank issues
+        contrib = rows.new_full((last_token_index.shape[0], *rows.shape[1:]), fill)
+        return _funcol.wait_tensor(_funcol.all_reduce(contrib, "sum", group_name))
     local = last_token_index - rank * num_rows
     owned = (local >= 0) & (local < num_rows)
-    picked = rows.index_select(0, local.clamp(0, max(num_rows - 1, 0)))
-    # -0.0 is the exact identity of IEEE addition (-0.0 + x == x for every x,
-    # signed zeros included), so the sum over ranks reproduces the owner's
-    # row bit for bit in any float dtype and any reduction order.
-    fill = -0.0 if rows.is_floating_point() else 0
+    picked = rows.index_select(0, local.clamp(0, num_rows - 1))
     contrib = torch.where(owned.view(-1, *([1] * (rows.dim() - 1))), picked, fill)
     return _funcol.wait_tensor(_funcol.all_reduce(contrib, "sum", group_name))
 

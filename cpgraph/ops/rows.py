@@ -106,3 +106,65 @@ def restore_compute(y: Tensor, valid_rows: Tensor, num_rows: int) -> Tensor:
 def _restore_compute_fake(y, valid_rows, num_rows):
     _check_restore(y, valid_rows, num_rows)
     return y.new_empty((num_rows, *y.shape[1:]))
+
+
+# --------------------------------------------------- static-shape (CUDA graph) form
+def _check_static(op: str, x: Tensor, row_kind: Tensor) -> None:
+    check_tensor(op, "x", x)
+    if x.dim() < 1:
+        raise ValueError(f"cpgraph.{op}: argument 'x' must have at least 1 dimension")
+    check_tensor(op, "row_kind", row_kind, dtype=_INDEX, ndim=1, shape=(x.shape[0],))
+    check_same_device(op, x=x, row_kind=row_kind)
+
+
+def _valid_first_permutation(row_kind: Tensor) -> Tensor:
+    # Stable sort on "is dummy": valid rows keep their order and move to the front.
+    return torch.sort((row_kind != 0).to(torch.int8), stable=True).indices
+
+
+def compact_valid_static_reference(x: Tensor, row_kind: Tensor) -> tuple[Tensor, Tensor]:
+    perm = _valid_first_permutation(row_kind)
+    num_valid = (row_kind == 0).sum().reshape(1).to(torch.int64)
+    keep = (torch.arange(x.shape[0], device=x.device) < num_valid).view(-1, *([1] * (x.dim() - 1)))
+    y = torch.where(keep, x.index_select(0, perm), torch.zeros((), dtype=x.dtype, device=x.device))
+    return y, num_valid
+
+
+@torch.library.custom_op("cpgraph::compact_valid_static", mutates_args=())
+def compact_valid_static(x: Tensor, row_kind: Tensor) -> tuple[Tensor, Tensor]:
+    """Static-shape compaction: valid rows (``row_kind == 0``) permuted to a prefix.
+
+    Returns ``(y[M, ...], num_valid int64[1])``: ``y[:num_valid]`` are the
+    valid rows in order, the rest are exact zeros.  Shapes never depend on
+    data, so the op is CUDA-graph capturable across batches of one bucket;
+    ``num_valid`` stays on the device for kernels that can bound their work.
+    """
+    _check_static("compact_valid_static", x, row_kind)
+    return select("compact_valid_static", x.device.type, compact_valid_static_reference)(x, row_kind)
+
+
+@compact_valid_static.register_fake
+def _compact_valid_static_fake(x, row_kind):
+    _check_static("compact_valid_static", x, row_kind)
+    return x.new_empty(x.shape), row_kind.new_empty((1,), dtype=torch.int64)
+
+
+def restore_compute_static_reference(y: Tensor, row_kind: Tensor) -> Tensor:
+    perm = _valid_first_permutation(row_kind)
+    inverse = torch.empty_like(perm)
+    inverse.index_copy_(0, perm, torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype))
+    valid = (row_kind == 0).view(-1, *([1] * (y.dim() - 1)))
+    return torch.where(valid, y.index_select(0, inverse), torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+@torch.library.custom_op("cpgraph::restore_compute_static", mutates_args=())
+def restore_compute_static(y: Tensor, row_kind: Tensor) -> Tensor:
+    """Inverse of ``compact_valid_static``: back to the compute layout, dummy rows exact zeros."""
+    _check_static("restore_compute_static", y, row_kind)
+    return select("restore_compute_static", y.device.type, restore_compute_static_reference)(y, row_kind)
+
+
+@restore_compute_static.register_fake
+def _restore_compute_static_fake(y, row_kind):
+    _check_static("restore_compute_static", y, row_kind)
+    return y.new_empty(y.shape)

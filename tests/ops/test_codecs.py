@@ -308,7 +308,7 @@ def test_bad_shape():
 
 
 def test_bad_page_size_and_head_dim():
-    for bad in (0, 3, -4, 2.0, True):
+    for bad in (0, 3, -4, 12):
         with pytest.raises(ValueError, match="'page_size'"):
             ops.index_k_page_pack(torch.zeros(12, 32), bad)
     with pytest.raises(ValueError, match="'head_dim'"):

@@ -1,0 +1,121 @@
+"""DeepSeek-V3.2 / GLM-5 causal LM over cpgraph ops (single device, compile-ready).
+
+The forward takes one flat batch of ``M`` compute rows (the planner's row
+layout: valid rows of all requests, then dummy rows), a :class:`BatchMeta`
+device bundle and the per-layer KV pools, and returns fp32 last-token
+logits ``[B, vocab]``.  It contains no host syncs and no data-dependent
+shapes: every size follows from ``M``, ``N_kv``, ``V`` and ``B`` (shapes of
+the inputs), and every branch is on static config.
+
+Module and parameter names equal transformers' (``model.layers.3.self_attn.
+kv_b_proj.weight``, ``model.layers.3.mlp.experts.gate_up_proj``, ...), so
+``from_hf`` is a checked state-dict copy.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor, nn
+
+import cpgraph.ops.rows  # noqa: F401
+
+from .attention import MLAttention
+from .batch import BatchMeta, KVLayout
+from .config import DSAConfig
+from .layers import MLP, RMSNorm, RotaryTable
+from .moe import MoE
+
+_ops = torch.ops.cpgraph
+
+
+class ForwardOutput(NamedTuple):
+    logits: Tensor  # fp32 [B, vocab]
+    hidden: Tensor | None  # final-normed hidden states of all M compute rows (dummies included)
+    topk: list[Tensor] | None  # per layer int32 [M, index_topk], full-view row ids
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DSAConfig, idx: int):
+        super().__init__()
+        self.is_moe = cfg.mlp_layer_types[idx] == "sparse"
+        self.self_attn = MLAttention(cfg, idx)
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta, layout, mla_pool, index_pool, prev_topk):
+        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, layout, mla_pool, index_pool, prev_topk)
+        x = x + attn
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            # Dummy rows never reach the router: compact, route, restore (dummies -> 0).
+            h = _ops.restore_compute(self.mlp(_ops.compact_valid(h, meta.valid_rows)), meta.valid_rows, h.shape[0])
+        else:
+            h = self.mlp(h)
+        return x + h, topk
+
+
+class DSABody(nn.Module):
+    def __init__(self, cfg: DSAConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim)
+
+
+class DSAForCausalLM(nn.Module):
+    """Both architectures; ``config.model_type`` only changes the indexer RoPE style and IndexCache."""
+
+    def __init__(self, cfg: DSAConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DSABody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        meta: BatchMeta,
+        layout: KVLayout,
+        mla_pools: Sequence[Tensor],
+        index_pools: Sequence[Tensor],
+        return_hidden: bool = False,
+        return_topk: bool = False,
+    ) -> ForwardOutput:
+        """Run the batch; ``mla_pools[layer]`` and ``index_pools[j]`` (j-th indexer layer) are written in place."""
+        cfg = self.config
+        if len(mla_pools) != cfg.num_hidden_layers:
+            raise ValueError(f"mla_pools must hold {cfg.num_hidden_layers} layer pools, got {len(mla_pools)}")
+        if len(index_pools) != len(cfg.indexer_layers):
+            raise ValueError(
+                f"index_pools must hold one pool per indexer layer ({len(cfg.indexer_layers)}), got {len(index_pools)}"
+            )
+        body = self.model
+        x = body.embed_tokens(input_ids)
+        cos, sin = body.rotary(meta.positions, x.dtype)
+        index_slot = {layer: j for j, layer in enumerate(cfg.indexer_layers)}
+        topk = None
+        all_topk = []
+        for i, layer in enumerate(body.layers):
+            j = index_slot.get(i)
+            pool = index_pools[j] if j is not None else None
+            x, topk = layer(x, cos, sin, meta, layout, mla_pools[i], pool, topk)
+            if return_topk:
+                all_topk.append(topk)
+        last = _ops.take_rows(x, meta.last_token_index)
+        logits = self.lm_head(body.norm(last)).float()
+        hidden = body.norm(x) if return_hidden else None
+        return ForwardOutput(logits, hidden, all_topk if return_topk else None)
