@@ -76,7 +76,7 @@ def _check_scoring(op: str, q: Tensor, k: Tensor, weights: Tensor, ks: Tensor, k
 def _window_mask(ks: Tensor, ke: Tensor, num_keys: int) -> Tensor:
     """``[M, N]`` bool: key column ``t`` lies in row ``s``'s window ``[ks, ke)``."""
     cols = torch.arange(num_keys, device=ks.device)
-    return (cols[None, :] >= ks[:, None]) & (cols[None, :] <= ke[:, None])
+    return (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
 
 
 def _masked_logits(q: Tensor, k: Tensor, weights: Tensor, ks: Tensor, ke: Tensor) -> Tensor:

@@ -58,8 +58,8 @@ def _attend_chunk(q: Tensor, kv: Tensor, idx: Tensor, sm_scale: float, d_v: int)
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
     has_key = valid.any(dim=-1)[:, None]  # [r, 1]
+    # Skipped entries score -inf, so exp() gives them exactly 0; rows without keys subtract 0, not -inf.
     probs = torch.exp(scores - torch.where(has_key, lse, torch.zeros_like(lse))[..., None])
-    probs = probs.masked_fill(~valid[:, None, :], 0.0)  # also zeroes rows without keys
     out = torch.einsum("rhk,rkv->rhv", probs, rows[:, :, :d_v])
     lse = torch.where(has_key, lse, torch.full_like(lse, float("inf")))
     return out, lse
@@ -96,8 +96,8 @@ def sparse_mla(q: Tensor, kv: Tensor, idx: Tensor, sm_scale: float, d_v: int) ->
         out[s,h] = sum_t p_t * kv[t, :d_v]          (cast to q.dtype)
         lse[s,h] = log(sum_t exp(sm_scale * q[s,h] . kv[t]))   (natural log, fp32)
 
-    A row without any valid entry gets ``out = 0`` and ``lse = +inf`` (so a
-    later merge of partial attentions gives it zero weight).  Computed in fp32.
+    A row without any valid entry (a dummy row, or ``topk == 0``) gets exact
+    ``out = 0`` and ``lse = +inf``, never NaN.  Computed in fp32.
     """
     _check_sparse_mla(q, kv, idx, sm_scale, d_v)
     return select("sparse_mla", q.device.type, sparse_mla_reference)(q, kv, idx, float(sm_scale), d_v)
