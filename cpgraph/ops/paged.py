@@ -40,11 +40,10 @@ def _write_plan(slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """
     slots = slots.to(torch.int64)
     valid = slots >= 0
-    first = torch.argmax(valid.to(torch.uint8))  # first valid row, or 0 if none
-    any_valid = valid[first]
+    first = torch.argmax(valid.to(torch.uint8))  # first valid row, or 0 if none (0-d, on device)
     rows = torch.arange(slots.shape[0], device=slots.device)
     src = torch.where(valid, rows, first)
-    return slots[src].clamp_min(0), src, any_valid
+    return slots.index_select(0, src).clamp_min(0), src, valid.any()
 
 
 # ------------------------------------------------------------ paged_store
