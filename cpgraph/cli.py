@@ -31,6 +31,90 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+_BUILTIN_PROMPT_LENS = (96, 40, 17, 130)
+
+
+def _builtin_prompts(vocab: int) -> list[list[int]]:
+    """Deterministic demo prompts (token ids only: bundled models have no tokenizer)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in _BUILTIN_PROMPT_LENS]
+
+
+def _read_prompts(path: str) -> list[list[int]]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"prompts file {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
+        raise ValueError(f"prompts file {path!r} must hold a non-empty JSON list of token-id lists")
+    return data
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, prefill
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"[cpgraph run] {msg}", file=sys.stderr, flush=True)
+
+    t_load = time.perf_counter()
+    model = from_pretrained(args.model, dtype=args.dtype)
+    progress(f"loaded {args.model} ({model.config.model_type}) in {time.perf_counter() - t_load:.2f} s")
+    prompts = _read_prompts(args.prompts_file) if args.prompts_file else _builtin_prompts(model.config.vocab_size)
+    prefix = args.prefix_lens if args.prefix_lens is not None else [0] * len(prompts)
+    if len(prefix) != len(prompts):
+        raise ValueError(f"--prefix-lens has {len(prefix)} entries for {len(prompts)} prompts")
+    bs = args.batch_size or len(prompts)
+    if bs < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {bs}")
+    logits, kv_bytes = [], 0
+    t0 = time.perf_counter()
+    batches = range(0, len(prompts), bs)
+    for n, start in enumerate(batches):
+        sl = slice(start, start + bs)
+        if len(batches) > 1:
+            progress(f"batch {n + 1}/{len(batches)}: prompts {start}..{min(start + bs, len(prompts)) - 1}")
+        res = prefill(model, prompts[sl], prefix_lens=prefix[sl], kv_format=args.kv_format,
+                      page_size=DEFAULT_PAGE_SIZE, progress=progress)
+        logits.append(res.logits)
+        kv_bytes = max(kv_bytes, res.kv_bytes)
+    elapsed = time.perf_counter() - t0
+    out = torch.cat(logits)
+    top = out.topk(min(args.top, out.shape[1]), dim=-1).indices.tolist()
+    for i, (p, ids) in enumerate(zip(prompts, top)):
+        print(f"prompt {i}: {len(p)} tokens (prefix {prefix[i]}): top ids {ids}")
+    tokens = sum(len(p) for p in prompts)
+    print(
+        f"{len(prompts)} prompts, {tokens} tokens in {elapsed:.3f} s ({tokens / max(elapsed, 1e-9):.0f} tok/s); "
+        f"KV cache {args.kv_format}: {kv_bytes} bytes used (largest batch)"
+    )
+    if args.json:
+        payload = {
+            "logits": out.tolist(),
+            "tokens": prompts,
+            "top_ids": top,
+            "model": str(args.model),
+            "kv_format": args.kv_format,
+            "prefix_lens": prefix,
+            "kv_bytes": kv_bytes,
+            "seconds": elapsed,
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f)
+        progress(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpgraph", description="Context-parallel prefill for DSA models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row-align", type=int, default=1, help="round rows per rank up to this (default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
+
+    r = sub.add_parser("run", help="prefill prompts on a DSA model (single device) and print last-token top ids")
+    r.add_argument("--model", required=True, help="bundled tiny model name (e.g. tiny-glm5) or a local HF checkpoint dir")
+    r.add_argument("--prompts-file", default=None, help="JSON list of token-id lists (default: built-in prompts)")
+    r.add_argument("--prefix-lens", type=_int_list, default=None,
+                   help="tokens of each prompt to prefill and cache first (multiples of 16), e.g. 64,0")
+    r.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
+                   help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
+    r.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="model dtype (default: the checkpoint config's; float32 for bundled models)")
+    r.add_argument("--batch-size", type=int, default=None, help="prompts per forward (default: all at once)")
+    r.add_argument("--top", type=int, default=5, help="how many top token ids to print per prompt (default 5)")
+    r.add_argument("--json", default=None, metavar="OUT", help='write {"logits": [...], "tokens": [...]} to OUT')
+    r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    r.set_defaults(func=_cmd_run)
     return parser
 
 

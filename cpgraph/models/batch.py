@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from cpgraph.plan import RankPlan
+from cpgraph.runtime.kv_pool import slots_for_positions
 
 KV_FORMATS = ("dense", "fp8")
 
@@ -72,12 +73,6 @@ class BatchMeta:
 pytree.register_dataclass(BatchMeta)
 
 
-def slots_of(page_table: Sequence[int], positions: np.ndarray, page_size: int) -> np.ndarray:
-    """Physical slot of each logical position of one request: ``page*page_size + offset``."""
-    pt = np.asarray(page_table, dtype=np.int64)
-    return pt[positions // page_size] * page_size + positions % page_size
-
-
 def build_batch(
     plan: RankPlan,
     tokens: Sequence[Sequence[int]],
@@ -113,8 +108,8 @@ def build_batch(
         if len(page_tables[i]) < need:
             raise ValueError(f"request {i}: page table has {len(page_tables[i])} pages, needs {need}")
         rows = np.nonzero(req == i)[0]
-        row_slots[rows] = slots_of(page_tables[i], pos[rows], ps)
-        kv_slots.append(slots_of(page_tables[i], np.arange(int(kv_lens[i])), ps))
+        row_slots[rows] = slots_for_positions(page_tables[i], pos[rows], ps)
+        kv_slots.append(slots_for_positions(page_tables[i], np.arange(int(kv_lens[i])), ps))
     meta = BatchMeta(
         positions=plan.positions.clone(),
         ks=plan.ks.clone(),

@@ -76,6 +76,10 @@ class DSAForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Static cache layout used when forward() gets no ``layout``.  As a module
+        # attribute its ints are graph constants even under ``dynamic=True``
+        # (ints passed as forward arguments would become symbolic).
+        self.kv_layout = KVLayout()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,14 +93,19 @@ class DSAForCausalLM(nn.Module):
         self,
         input_ids: Tensor,
         meta: BatchMeta,
-        layout: KVLayout,
         mla_pools: Sequence[Tensor],
         index_pools: Sequence[Tensor],
+        layout: KVLayout | None = None,
         return_hidden: bool = False,
         return_topk: bool = False,
     ) -> ForwardOutput:
-        """Run the batch; ``mla_pools[layer]`` and ``index_pools[j]`` (j-th indexer layer) are written in place."""
+        """Run the batch; ``mla_pools[layer]`` and ``index_pools[j]`` (j-th indexer layer) are written in place.
+
+        ``layout`` defaults to ``self.kv_layout`` (set that attribute instead of
+        passing ``layout`` when compiling with ``dynamic=True``).
+        """
         cfg = self.config
+        layout = self.kv_layout if layout is None else layout
         if len(mla_pools) != cfg.num_hidden_layers:
             raise ValueError(f"mla_pools must hold {cfg.num_hidden_layers} layer pools, got {len(mla_pools)}")
         if len(index_pools) != len(cfg.indexer_layers):
