@@ -34,8 +34,19 @@ def check_group_args(op: str, group_name, world_size) -> None:
     """Metadata-only checks on the group arguments (safe in fake rules)."""
     if not isinstance(group_name, str) or not group_name:
         raise ValueError(f"cpgraph.{op}: argument 'group_name' must be a non-empty str, got {group_name!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"cpgraph.{op}: argument 'world_size' must be an int >= 1, got {world_size!r}")
+    check_size_arg(op, "world_size", world_size, 1)
+
+
+def check_size_arg(op: str, name: str, value, minimum: int) -> None:
+    """An int argument (or a symbolic one under dynamic compile) that must be ``>= minimum``.
+
+    Symbolic values are not compared: that would add a guard for nothing,
+    since their concrete values were checked where they were created.
+    """
+    if isinstance(value, torch.SymInt):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"cpgraph.{op}: argument '{name}' must be an int >= {minimum}, got {value!r}")
 
 
 def resolve_group(op: str, group_name: str, world_size: int):
@@ -49,7 +60,8 @@ def resolve_group(op: str, group_name: str, world_size: int):
     try:
         group = _resolve_process_group(group_name)
     except Exception as exc:  # the registry raises various types for unknown names
-        raise ValueError(f"cpgraph.{op}: no process group named {group_name!r} ({exc})") from None
+        msg = f"cpgraph.{op}: argument 'group_name': no process group named {group_name!r} ({exc})"
+        raise ValueError(msg) from None
     if group.size() != world_size:
         raise ValueError(
             f"cpgraph.{op}: argument 'world_size' is {world_size} but group {group_name!r} has {group.size()} ranks"

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_index_range, check_same_device, check_tensor, debug_enabled
-from .collectives import all_gather_dim0, check_group_args, resolve_group
+from .collectives import all_gather_dim0, check_group_args, check_size_arg, resolve_group
 
 _OP = "cp_materialize_kv"
 
@@ -65,16 +65,26 @@ def _check_materialize(prefix_rows, current_rows, prefix_dest, current_dest, kv_
         check_tensor(_OP, f"current_rows[{k}]", c, shape=(num_current, None))
     check_tensor(_OP, "prefix_dest", prefix_dest, dtype=torch.int64, shape=(world_size * num_prefix,))
     check_tensor(_OP, "current_dest", current_dest, dtype=torch.int64, shape=(world_size * num_current,))
-    if isinstance(kv_rows, bool) or not isinstance(kv_rows, int) or kv_rows < 0:
-        raise ValueError(f"cpgraph.{_OP}: argument 'kv_rows' must be an int >= 0, got {kv_rows!r}")
+    check_size_arg(_OP, "kv_rows", kv_rows, 0)
     named = {f"prefix_rows[{k}]": t for k, t in enumerate(prefix_rows)}
     named.update({f"current_rows[{k}]": t for k, t in enumerate(current_rows)})
     check_same_device(_OP, **named, prefix_dest=prefix_dest, current_dest=current_dest)
 
 
+def _row_major(t: Tensor) -> Tensor:
+    """``t`` itself if it has plain row-major strides, else a row-major copy.
+
+    ``Tensor.view(dtype)`` between element sizes needs ``stride(-1) == 1``;
+    ``is_contiguous()`` alone does not promise that when a dim has size 0 or 1.
+    """
+    if t.is_contiguous() and t.stride(-1) == 1:
+        return t
+    return t.new_empty(t.shape).copy_(t)
+
+
 def _as_bytes(t: Tensor) -> Tensor:
-    """``[N, W]`` of any dtype -> ``uint8 [N, W * itemsize]`` (a view when contiguous)."""
-    return t.contiguous().view(torch.uint8)
+    """``[N, W]`` of any dtype -> ``uint8 [N, W * itemsize]`` (a view when row-major)."""
+    return _row_major(t).view(torch.uint8)
 
 
 def _check_dest_values(dest: Tensor, kv_rows: int) -> None:
@@ -99,13 +109,9 @@ def cp_materialize_kv_decomposed(
     _check_materialize(prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, group_name, world_size)
     num_prefix = prefix_rows[0].shape[0]
     num_current = current_rows[0].shape[0]
-    # Pack: this rank's block is [P prefix rows ; M current rows], all kinds side by side.
-    prefix_bytes = torch.cat([_as_bytes(t) for t in prefix_rows], dim=1)
-    current_bytes = torch.cat([_as_bytes(t) for t in current_rows], dim=1)
-    send = torch.cat([prefix_bytes, current_bytes], dim=0)
-    gathered = all_gather_dim0(send, group_name, world_size)  # [world * (P + M), S]
-
     # Destination of every gathered row, in the gathered (rank-major) order.
+    # Built (and, under CPGRAPH_DEBUG, checked) before communicating, so a bad
+    # descriptor raises on every rank instead of leaving peers in a collective.
     dest = torch.cat(
         [prefix_dest.view(world_size, num_prefix), current_dest.view(world_size, num_current)], dim=1
     ).reshape(-1)
@@ -118,12 +124,18 @@ def cp_materialize_kv_decomposed(
     source = torch.full((kv_rows + 1,), -1, dtype=torch.int64, device=dest.device)
     source = source.index_copy(0, sink, rows_id)[:kv_rows]
 
+    # Pack: this rank's block is [P prefix rows ; M current rows], all kinds side by side.
+    prefix_bytes = torch.cat([_as_bytes(t) for t in prefix_rows], dim=1)
+    current_bytes = torch.cat([_as_bytes(t) for t in current_rows], dim=1)
+    send = torch.cat([prefix_bytes, current_bytes], dim=0)
+    gathered = all_gather_dim0(send, group_name, world_size)  # [world * (P + M), S]
+
     views = []
     col = 0
     for c in current_rows:
         width = c.shape[1] * c.element_size()
         placed = torch.ops.cpgraph.take_rows(gathered[:, col : col + width], source)
-        views.append(placed.contiguous().view(c.dtype))
+        views.append(_row_major(placed).view(c.dtype))
         col += width
     return views
 

@@ -3,6 +3,10 @@
 Deterministic and communication-free; see ``docs/plan.md``.
 """
 
+from .materialize import MaterializeDescriptors, materialize_descriptors
 from .plan import ROW_COMPUTE_PAD, ROW_STATIC_PAD, ROW_VALID, CPPlan, RankPlan, plan_prefill
 
-__all__ = ["plan_prefill", "CPPlan", "RankPlan", "ROW_VALID", "ROW_COMPUTE_PAD", "ROW_STATIC_PAD"]
+__all__ = [
+    "plan_prefill",
+    "materialize_descriptors",
+    "MaterializeDescriptors", "CPPlan", "RankPlan", "ROW_VALID", "ROW_COMPUTE_PAD", "ROW_STATIC_PAD"]
