@@ -10,18 +10,19 @@ builds it with ONE collective per call, whatever the number of payload kinds
    into one ``uint8 [P + M, S]`` buffer (``S`` = sum of the kinds' row bytes);
 2. one functional ``all_gather_into_tensor`` -> ``[world * (P + M), S]``;
 3. place: each kind's byte columns are gathered into ``[kv_rows, bytes_k]``
-   with ``cpgraph::take_rows`` through a source index derived on device from
-   the planner's ``prefix_dest`` / ``current_dest`` and viewed back as the
-   kind's dtype.
+   with ``cpgraph::take_rows`` through the planner's ``kv_source`` (the
+   gathered row of every full-view row, built on the host once per batch)
+   and viewed back as the kind's dtype.
 
 Why one collective: collective launch latency and synchronisation dominate
 for the small per-layer payloads of short batches, and every rank must issue
 the same collectives in the same order, which is easiest to guarantee when
 there is exactly one.  Why current rows travel from the fresh tensors: the
 cache might not have been written yet (or hold stale bytes); the full view
-must use this forward's values.  Why destinations are per request: two
+must use this forward's values.  Why a source index per full-view row: two
 requests sharing a physical prefix page still get separate full-view rows,
-so nothing depends on which write lands last.  The descriptors come from
+and since every destination names exactly one source, nothing depends on
+which write lands last.  The descriptors come from
 :func:`cpgraph.plan.materialize.materialize_descriptors`.
 """
 
@@ -30,45 +31,42 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_index_range, check_same_device, check_tensor, debug_enabled
-from .collectives import all_gather_dim0, check_group_args, check_size_arg, resolve_group
+from .checks import check_index_range, check_same_device, check_tensor
+from .collectives import all_gather_dim0, check_group_args, resolve_group
 
 _OP = "cp_materialize_kv"
 
 
-def _check_payloads(name: str, payloads) -> None:
+def _check_payloads(op: str, name: str, payloads) -> None:
     if not isinstance(payloads, (list, tuple)):
-        raise ValueError(f"cpgraph.{_OP}: argument '{name}' must be a list of tensors, got {type(payloads).__name__}")
+        raise ValueError(f"cpgraph.{op}: argument '{name}' must be a list of tensors, got {type(payloads).__name__}")
     for k, t in enumerate(payloads):
-        check_tensor(_OP, f"{name}[{k}]", t, ndim=2)
+        check_tensor(op, f"{name}[{k}]", t, ndim=2)
 
 
-def _check_materialize(prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, group_name, world_size) -> None:
-    check_group_args(_OP, group_name, world_size)
-    _check_payloads("prefix_rows", prefix_rows)
-    _check_payloads("current_rows", current_rows)
+def _check_compose(op: str, prefix_rows, current_rows, kv_source) -> None:
+    _check_payloads(op, "prefix_rows", prefix_rows)
+    _check_payloads(op, "current_rows", current_rows)
     if len(prefix_rows) != len(current_rows):
         raise ValueError(
-            f"cpgraph.{_OP}: 'prefix_rows' has {len(prefix_rows)} payloads but 'current_rows' has "
+            f"cpgraph.{op}: 'prefix_rows' has {len(prefix_rows)} payloads but 'current_rows' has "
             f"{len(current_rows)}; pass one prefix and one current tensor per payload kind"
         )
     if not current_rows:
-        raise ValueError(f"cpgraph.{_OP}: 'current_rows' must hold at least one payload")
+        raise ValueError(f"cpgraph.{op}: 'current_rows' must hold at least one payload")
     num_prefix = prefix_rows[0].shape[0]
     num_current = current_rows[0].shape[0]
     for k, (p, c) in enumerate(zip(prefix_rows, current_rows)):
         if p.dtype != c.dtype:
             raise ValueError(
-                f"cpgraph.{_OP}: payload {k}: 'prefix_rows[{k}]' is {p.dtype} but 'current_rows[{k}]' is {c.dtype}"
+                f"cpgraph.{op}: payload {k}: 'prefix_rows[{k}]' is {p.dtype} but 'current_rows[{k}]' is {c.dtype}"
             )
-        check_tensor(_OP, f"prefix_rows[{k}]", p, shape=(num_prefix, c.shape[1]))
-        check_tensor(_OP, f"current_rows[{k}]", c, shape=(num_current, None))
-    check_tensor(_OP, "prefix_dest", prefix_dest, dtype=torch.int64, shape=(world_size * num_prefix,))
-    check_tensor(_OP, "current_dest", current_dest, dtype=torch.int64, shape=(world_size * num_current,))
-    check_size_arg(_OP, "kv_rows", kv_rows, 0)
+        check_tensor(op, f"prefix_rows[{k}]", p, shape=(num_prefix, c.shape[1]))
+        check_tensor(op, f"current_rows[{k}]", c, shape=(num_current, None))
+    check_tensor(op, "kv_source", kv_source, dtype=torch.int64, ndim=1)
     named = {f"prefix_rows[{k}]": t for k, t in enumerate(prefix_rows)}
     named.update({f"current_rows[{k}]": t for k, t in enumerate(current_rows)})
-    check_same_device(_OP, **named, prefix_dest=prefix_dest, current_dest=current_dest)
+    check_same_device(op, **named, kv_source=kv_source)
 
 
 def _row_major(t: Tensor) -> Tensor:
@@ -87,55 +85,61 @@ def _as_bytes(t: Tensor) -> Tensor:
     return _row_major(t).view(torch.uint8)
 
 
-def _check_dest_values(dest: Tensor, kv_rows: int) -> None:
-    """Debug only: destinations in ``[-1, kv_rows)`` and no full-view row written twice."""
-    check_index_range(_OP, "prefix_dest/current_dest", dest, -1, kv_rows)
-    if debug_enabled():
-        landed = dest[dest >= 0]  # sync-ok: debug flag only
-        if landed.unique().numel() != landed.numel():  # sync-ok: debug flag only
-            raise ValueError(f"cpgraph.{_OP}: two gathered rows target the same full-view row")
+# ------------------------------------------------------------------ kv_compose
+def kv_compose_reference(prefix_rows: list[Tensor], current_rows: list[Tensor], kv_source: Tensor) -> list[Tensor]:
+    return [torch.ops.cpgraph.take_rows(torch.cat([p, c], dim=0), kv_source) for p, c in zip(prefix_rows, current_rows)]
 
 
+@torch.library.custom_op("cpgraph::kv_compose", mutates_args=())
+def kv_compose(prefix_rows: list[Tensor], current_rows: list[Tensor], kv_source: Tensor) -> list[Tensor]:
+    """Single-device full KV view: cached-prefix rows plus this forward's rows, placed per request.
+
+    The single-device form of ``cp_materialize_kv`` (a group of one): for
+    each payload kind ``k``, ``out[k][v] = cat(prefix_rows[k], current_rows[k])[kv_source[v]]``,
+    zero where ``kv_source[v] == -1`` (page-tail slack).  ``prefix_rows[k]``
+    are the cached-prefix rows read from the pool (``paged_gather`` at the
+    descriptors' ``send_slots``); ``current_rows[k]`` are the fresh rows of
+    this forward, never re-read through the cache.  The CP attention pass
+    swaps this op for ``cp_materialize_kv`` with the same arguments plus the
+    group, which is why the model is written against it.
+    """
+    _check_compose("kv_compose", prefix_rows, current_rows, kv_source)
+    check_index_range("kv_compose", "kv_source", kv_source, -1, prefix_rows[0].shape[0] + current_rows[0].shape[0])
+    return kv_compose_reference(prefix_rows, current_rows, kv_source)
+
+
+@kv_compose.register_fake
+def _kv_compose_fake(prefix_rows, current_rows, kv_source):
+    _check_compose("kv_compose", prefix_rows, current_rows, kv_source)
+    return [c.new_empty((kv_source.shape[0], c.shape[1])) for c in current_rows]
+
+
+# ----------------------------------------------------------- cp_materialize_kv
 def cp_materialize_kv_decomposed(
     prefix_rows: list[Tensor],
     current_rows: list[Tensor],
-    prefix_dest: Tensor,
-    current_dest: Tensor,
-    kv_rows: int,
+    kv_source: Tensor,
     group_name: str,
     world_size: int,
 ) -> list[Tensor]:
     """Same result as ``cpgraph::cp_materialize_kv`` from one functional all-gather + ``take_rows``."""
-    _check_materialize(prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, group_name, world_size)
-    num_prefix = prefix_rows[0].shape[0]
-    num_current = current_rows[0].shape[0]
-    # Destination of every gathered row, in the gathered (rank-major) order.
-    # Built (and, under CPGRAPH_DEBUG, checked) before communicating, so a bad
-    # descriptor raises on every rank instead of leaving peers in a collective.
-    dest = torch.cat(
-        [prefix_dest.view(world_size, num_prefix), current_dest.view(world_size, num_current)], dim=1
-    ).reshape(-1)
-    _check_dest_values(dest, kv_rows)
-    # Invert it on device: source row of every full-view row, -1 where no one
-    # writes (page-tail slack -> zero rows).  Dropped rows (-1: dummies,
-    # padding) go to a sink row that is cut off.
-    sink = torch.where(dest >= 0, dest, kv_rows)
-    rows_id = torch.arange(dest.shape[0], dtype=torch.int64, device=dest.device)
-    source = torch.full((kv_rows + 1,), -1, dtype=torch.int64, device=dest.device)
-    source = source.index_copy(0, sink, rows_id)[:kv_rows]
-
+    _check_compose(_OP, prefix_rows, current_rows, kv_source)
+    check_group_args(_OP, group_name, world_size)
+    block = prefix_rows[0].shape[0] + current_rows[0].shape[0]
+    # Checked (under CPGRAPH_DEBUG) before communicating, so a bad descriptor
+    # raises on every rank instead of leaving peers inside a collective.
+    check_index_range(_OP, "kv_source", kv_source, -1, world_size * block)
     # Pack: this rank's block is [P prefix rows ; M current rows], all kinds side by side.
     prefix_bytes = torch.cat([_as_bytes(t) for t in prefix_rows], dim=1)
     current_bytes = torch.cat([_as_bytes(t) for t in current_rows], dim=1)
     send = torch.cat([prefix_bytes, current_bytes], dim=0)
     gathered = all_gather_dim0(send, group_name, world_size)  # [world * (P + M), S]
-
     views = []
     col = 0
     for c in current_rows:
         width = c.shape[1] * c.element_size()
-        placed = torch.ops.cpgraph.take_rows(gathered[:, col : col + width], source)
-        views.append(_row_major(placed).view(c.dtype))
+        placed = torch.ops.cpgraph.take_rows(gathered[:, col : col + width], kv_source)
+        views.append(placed.contiguous().view(c.dtype))
         col += width
     return views
 
@@ -144,9 +148,7 @@ def cp_materialize_kv_decomposed(
 def cp_materialize_kv(
     prefix_rows: list[Tensor],
     current_rows: list[Tensor],
-    prefix_dest: Tensor,
-    current_dest: Tensor,
-    kv_rows: int,
+    kv_source: Tensor,
     group_name: str,
     world_size: int,
 ) -> list[Tensor]:
@@ -159,19 +161,19 @@ def cp_materialize_kv(
     this forward (dummies included).  Kind ``k`` has the same dtype and
     width in both; kinds may differ in dtype and width (fp32/bf16 dense
     records, uint8 fp8 records, uint8 key bytes plus their fp32 scales).
-    ``prefix_dest`` int64 ``[world_size * P]`` / ``current_dest`` int64
-    ``[world_size * M]``: full-view row of every rank-major gathered row,
-    ``-1`` = drop (padding, dummy rows).  Full-view rows nobody writes
-    (page-tail slack) are zero.  Exactly one collective per call.
+    ``kv_source`` int64 ``[kv_rows]``: for every full-view row, its row in
+    the rank-major gathered ``[world_size * (P + M)]`` buffer, ``-1`` for
+    page-tail slack (a zero row).  Dummy rows and padding are never named,
+    so they never land.  Exactly one collective per call.
     """
-    _check_materialize(prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, group_name, world_size)
+    _check_compose(_OP, prefix_rows, current_rows, kv_source)
+    check_group_args(_OP, group_name, world_size)
     resolve_group(_OP, group_name, world_size)
-    return cp_materialize_kv_decomposed(
-        prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, group_name, world_size
-    )
+    return cp_materialize_kv_decomposed(prefix_rows, current_rows, kv_source, group_name, world_size)
 
 
 @cp_materialize_kv.register_fake
-def _cp_materialize_kv_fake(prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, group_name, world_size):
-    _check_materialize(prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, group_name, world_size)
-    return [c.new_empty((kv_rows, c.shape[1])) for c in current_rows]
+def _cp_materialize_kv_fake(prefix_rows, current_rows, kv_source, group_name, world_size):
+    _check_compose(_OP, prefix_rows, current_rows, kv_source)
+    check_group_args(_OP, group_name, world_size)
+    return [c.new_empty((kv_source.shape[0], c.shape[1])) for c in current_rows]

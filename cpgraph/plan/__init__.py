@@ -8,5 +8,11 @@ from .plan import ROW_COMPUTE_PAD, ROW_STATIC_PAD, ROW_VALID, CPPlan, RankPlan, 
 
 __all__ = [
     "plan_prefill",
+    "CPPlan",
+    "RankPlan",
+    "ROW_VALID",
+    "ROW_COMPUTE_PAD",
+    "ROW_STATIC_PAD",
     "materialize_descriptors",
-    "MaterializeDescriptors", "CPPlan", "RankPlan", "ROW_VALID", "ROW_COMPUTE_PAD", "ROW_STATIC_PAD"]
+    "MaterializeDescriptors",
+]

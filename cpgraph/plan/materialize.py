@@ -11,6 +11,11 @@ Layout of one rank's contribution to the gather::
 
     [ P prefix rows (pages this rank owns, full-view order, -1 padded) | M compute rows ]
 
+The gathered buffer is rank-major: rank ``r``'s block starts at row
+``r * (P + M)``.  ``kv_source`` says, for every full-view row, which gathered
+row it comes from (``-1``: page-tail slack, a zero row).  Because it maps
+*destinations to sources*, no full-view row can be written twice.
+
 Why per request: the builder walks prefix pages *per request*, so two
 requests whose cached prefix shares one physical page on its owner get that
 page sent twice, once for each request's full-view rows.  No full-view row
@@ -37,10 +42,11 @@ class MaterializeDescriptors:
     * ``send_slots`` ``[P]``: physical KV slots (``page * page_size + offset``)
       this rank gathers from its local pool to build ``prefix_rows``, owned
       pages in full-view order, ``-1`` padding (gathers return zero rows);
-    * ``prefix_dest`` ``[cp * P]``: full-view row of every gathered prefix
-      row, rank-major (rank ``r``'s row ``j`` at ``r * P + j``), ``-1`` = drop;
-    * ``current_dest`` ``[cp * M]``: full-view row of every gathered compute
-      row, ``-1`` for dummy rows;
+    * ``kv_source`` ``[kv_rows]``: for every full-view row, its row in the
+      rank-major gathered buffer ``[cp * (P + M)]`` (rank ``r``'s prefix row
+      ``j`` at ``r * (P + M) + j``, its compute row ``j`` at
+      ``r * (P + M) + P + j``); ``-1`` for page-tail slack.  Dummy rows and
+      padding are simply never named;
     * ``kv_rows``: rows of the full view (``sum(kv_lens)``, page-tail slack
       included); ``prefix_rows_per_rank`` = ``P``, ``num_rows`` = ``M``.
     """
@@ -52,16 +58,14 @@ class MaterializeDescriptors:
     num_rows: int
     kv_rows: int
     send_slots: torch.Tensor
-    prefix_dest: torch.Tensor
-    current_dest: torch.Tensor
+    kv_source: torch.Tensor
 
     def to(self, device, non_blocking: bool = False) -> "MaterializeDescriptors":
         """Copy the index tensors to ``device`` once per batch."""
         return replace(
             self,
             send_slots=self.send_slots.to(device, non_blocking=non_blocking),
-            prefix_dest=self.prefix_dest.to(device, non_blocking=non_blocking),
-            current_dest=self.current_dest.to(device, non_blocking=non_blocking),
+            kv_source=self.kv_source.to(device, non_blocking=non_blocking),
         )
 
 
@@ -160,6 +164,18 @@ def materialize_descriptors(
     current_dest = np.full(cp * plan.num_rows, -1, dtype=np.int64)
     current_dest[rerange] = plan.kv_start[tok_req] + plan.prefix_lens[tok_req] + tok_off
 
+    # Invert: source row of every full-view row in the rank-major gathered buffer.
+    P, M = pages_per_rank * ps, plan.num_rows
+    block = np.arange(cp, dtype=np.int64)[:, None] * (P + M)
+    prefix_src = (block + np.arange(P, dtype=np.int64)).reshape(-1)
+    current_src = (block + P + np.arange(M, dtype=np.int64)).reshape(-1)
+    kv_rows = int(plan.kv_lens.sum())
+    kv_source = np.full(kv_rows, -1, dtype=np.int64)
+    keep = prefix_dest >= 0
+    kv_source[prefix_dest[keep]] = prefix_src[keep]
+    keep = current_dest >= 0
+    kv_source[current_dest[keep]] = current_src[keep]
+
     def t(a):
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
@@ -169,8 +185,7 @@ def materialize_descriptors(
         page_size=ps,
         prefix_rows_per_rank=pages_per_rank * ps,
         num_rows=plan.num_rows,
-        kv_rows=int(plan.kv_lens.sum()),
+        kv_rows=kv_rows,
         send_slots=t(send_slots),
-        prefix_dest=t(prefix_dest),
-        current_dest=t(current_dest),
+        kv_source=t(kv_source),
     )

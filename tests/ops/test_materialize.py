@@ -166,6 +166,24 @@ def brute_descriptors(sc: Scenario, rank: int):
     return send_slots, prefix_dest, current_dest, kv_rows
 
 
+def brute_kv_source(prefix_dest, current_dest, world, kv_rows):
+    """Invert the destination lists with a loop: gathered row of every full-view row."""
+    P, M = len(prefix_dest) // world, len(current_dest) // world
+    src = [-1] * kv_rows
+    for r in range(world):
+        for j in range(P):
+            d = prefix_dest[r * P + j]
+            if d >= 0:
+                assert src[d] == -1, "two sources for one full-view row"
+                src[d] = r * (P + M) + j
+        for j in range(M):
+            d = current_dest[r * M + j]
+            if d >= 0:
+                assert src[d] == -1, "two sources for one full-view row"
+                src[d] = r * (P + M) + P + j
+    return src
+
+
 # Dist scenarios: many requests with shared prefixes, no prefix at all,
 # tiny extends with every prefix page on rank 0 and a fully shared prefix.
 def scenario_specs(world):
@@ -196,8 +214,7 @@ def _same(a, b):
 def job_materialize(ctx, spec_index):
     spec = scenario_specs(ctx.world_size)[spec_index]
     sc, desc, prefix_rows, current_rows = _build(ctx.rank, spec)
-    args = (prefix_rows, current_rows, desc.prefix_dest, desc.current_dest, desc.kv_rows, ctx.group_name,
-            ctx.world_size)
+    args = (prefix_rows, current_rows, desc.kv_source, ctx.group_name, ctx.world_size)
     got = cp_materialize_kv(*args)
     want = expected_views(sc)
     assert len(got) == len(KINDS)
@@ -212,21 +229,20 @@ def job_materialize(ctx, spec_index):
 def job_opcheck(ctx):
     for spec_index in (0, 1, 2):
         _, desc, prefix_rows, current_rows = _build(ctx.rank, scenario_specs(ctx.world_size)[spec_index])
-        args = (prefix_rows, current_rows, desc.prefix_dest, desc.current_dest, desc.kv_rows, ctx.group_name,
-                ctx.world_size)
+        args = (prefix_rows, current_rows, desc.kv_source, ctx.group_name, ctx.world_size)
         torch.library.opcheck(torch.ops.cpgraph.cp_materialize_kv.default, args)
 
 
 def job_inductor(ctx):
     """The decomposition compiled by Inductor (what the lowering pass produces) moves the same bytes."""
     sc, desc, prefix_rows, current_rows = _build(ctx.rank, scenario_specs(ctx.world_size)[0])
-    gn, ws, kv_rows = ctx.group_name, ctx.world_size, desc.kv_rows
+    gn, ws = ctx.group_name, ctx.world_size
 
-    def lowered(prefix_rows, current_rows, prefix_dest, current_dest):
-        return cp_materialize_kv_decomposed(prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, gn, ws)
+    def lowered(prefix_rows, current_rows, kv_source):
+        return cp_materialize_kv_decomposed(prefix_rows, current_rows, kv_source, gn, ws)
 
     compiled = torch.compile(lowered, backend="inductor", fullgraph=True)
-    got = compiled(prefix_rows, current_rows, desc.prefix_dest, desc.current_dest)
+    got = compiled(prefix_rows, current_rows, desc.kv_source)
     for k, (g, w) in enumerate(zip(got, expected_views(sc))):
         assert _same(g, w), f"payload {k} differs after Inductor"
 
@@ -259,12 +275,11 @@ def _check_against_brute(sc: Scenario):
         desc = materialize_descriptors(plan, sc.owners_of(), sc.local_pages(rank), rank)
         send_slots, prefix_dest, current_dest, kv_rows = brute_descriptors(sc, rank)
         assert desc.send_slots.tolist() == send_slots
-        assert desc.prefix_dest.tolist() == prefix_dest
-        assert desc.current_dest.tolist() == current_dest
-        assert desc.kv_rows == kv_rows
+        assert desc.kv_source.tolist() == brute_kv_source(prefix_dest, current_dest, sc.world, kv_rows)
+        assert desc.kv_rows == kv_rows == desc.kv_source.numel()
         assert desc.prefix_rows_per_rank * sc.world == len(prefix_dest)
         assert desc.num_rows * sc.world == len(current_dest)
-        assert all(t.dtype == torch.int64 for t in (desc.send_slots, desc.prefix_dest, desc.current_dest))
+        assert all(t.dtype == torch.int64 for t in (desc.send_slots, desc.kv_source))
         fv_written = [d for d in prefix_dest + current_dest if d >= 0]
     # Every full-view row except page-tail slack is written exactly once.
     slack = set()
@@ -306,17 +321,20 @@ def test_shared_physical_page_maps_per_request():
     desc = materialize_descriptors(plan, sc.owners_of(), sc.local_pages(1), 1)
     slots = desc.send_slots.tolist()
     assert len(slots) == 8 and slots[:4] == slots[4:]  # the owner sends the shared pages once per request
-    dest = desc.prefix_dest.tolist()[8:]  # rank 1's block
+    src = desc.kv_source.tolist()
+    block1 = desc.prefix_rows_per_rank + desc.num_rows  # rank 1's block starts here
     kv_start1 = int(plan.kv_start[1])
-    assert dest == [0, 1, 2, 3, kv_start1, kv_start1 + 1, kv_start1 + 2, kv_start1 + 3]
-    assert desc.prefix_dest.tolist()[:8] == [-1] * 8  # rank 0 owns nothing: all padding
+    assert src[0:4] == [block1 + j for j in range(4)]
+    assert src[kv_start1 : kv_start1 + 4] == [block1 + 4 + j for j in range(4)]
+    # Rank 0 owns nothing: no full-view row comes from its prefix block.
+    assert not [x for x in src if 0 <= x < desc.prefix_rows_per_rank]
 
 
 def test_descriptors_to_device():
     sc = make_scenario(2, 2, [1, 0], [3, 2], seed=0)
     desc = materialize_descriptors(sc.plan(), sc.owners_of(), sc.local_pages(0), 0)
     moved = desc.to("meta")
-    assert moved.send_slots.device.type == "meta" and moved.current_dest.device.type == "meta"
+    assert moved.send_slots.device.type == "meta" and moved.kv_source.device.type == "meta"
     assert moved.kv_rows == desc.kv_rows and desc.send_slots.device.type == "cpu"
 
 
@@ -363,15 +381,13 @@ def test_trace_and_compile_with_fake_group():
         spec = scenario_specs(4)[0]
         sc, desc, prefix_rows, current_rows = _build(2, spec)
 
-        def op(prefix_rows, current_rows, prefix_dest, current_dest):
-            return torch.ops.cpgraph.cp_materialize_kv(prefix_rows, current_rows, prefix_dest, current_dest,
-                                                       desc.kv_rows, gn, 4)
+        def op(prefix_rows, current_rows, kv_source):
+            return torch.ops.cpgraph.cp_materialize_kv(prefix_rows, current_rows, kv_source, gn, 4)
 
-        def decomposed(prefix_rows, current_rows, prefix_dest, current_dest):
-            return cp_materialize_kv_decomposed(prefix_rows, current_rows, prefix_dest, current_dest,
-                                                desc.kv_rows, gn, 4)
+        def decomposed(prefix_rows, current_rows, kv_source):
+            return cp_materialize_kv_decomposed(prefix_rows, current_rows, kv_source, gn, 4)
 
-        args = (prefix_rows, current_rows, desc.prefix_dest, desc.current_dest)
+        args = (prefix_rows, current_rows, desc.kv_source)
         want = [((desc.kv_rows, w), dt) for dt, w in KINDS]
         for fn in (op, decomposed):
             gm = torch.fx.experimental.proxy_tensor.make_fx(fn, tracing_mode="fake")(*args)
@@ -385,15 +401,15 @@ def test_trace_and_compile_with_fake_group():
             for out in (gm(*args), torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)):
                 assert [(tuple(o.shape), o.dtype) for o in out] == want
 
-        # Dynamic compile: kv_rows and world_size arrive as (symbolic) int arguments.
-        def dyn(prefix_rows, current_rows, prefix_dest, current_dest, kv_rows, world_size):
-            return torch.ops.cpgraph.cp_materialize_kv(prefix_rows, current_rows, prefix_dest, current_dest,
-                                                       kv_rows, gn, world_size)
+        # Dynamic compile: the full view's size follows kv_source's (symbolic) length.
+        def dyn(prefix_rows, current_rows, kv_source, world_size):
+            return torch.ops.cpgraph.cp_materialize_kv(prefix_rows, current_rows, kv_source, gn, world_size)
 
         torch._dynamo.reset()
         compiled = torch.compile(dyn, backend="aot_eager", fullgraph=True, dynamic=True)
         for extra in (0, 5):
-            out = compiled(*args, desc.kv_rows + extra, 4)
+            longer = torch.cat([desc.kv_source, torch.full((extra,), -1, dtype=torch.int64)])
+            out = compiled(prefix_rows, current_rows, longer, 4)
             assert [(tuple(o.shape), o.dtype) for o in out] == [((desc.kv_rows + extra, w), dt) for dt, w in KINDS]
 
 
@@ -401,7 +417,7 @@ def test_world_size_must_match_group():
     with fake_group(world_size=4, rank=0) as gn:
         _, desc, prefix_rows, current_rows = _build(0, scenario_specs(2)[1])
         with pytest.raises(ValueError, match="world_size"):
-            cp_materialize_kv(prefix_rows, current_rows, desc.prefix_dest, desc.current_dest, desc.kv_rows, gn, 2)
+            cp_materialize_kv(prefix_rows, current_rows, desc.kv_source, gn, 2)
 
 
 # ------------------------------------------------------- op input errors
@@ -409,9 +425,7 @@ def _args(**over):
     base = dict(
         prefix_rows=[torch.zeros(4, 3), torch.zeros(4, 5, dtype=torch.uint8)],
         current_rows=[torch.zeros(6, 3), torch.zeros(6, 5, dtype=torch.uint8)],
-        prefix_dest=torch.full((8,), -1, dtype=torch.int64),
-        current_dest=torch.full((12,), -1, dtype=torch.int64),
-        kv_rows=10,
+        kv_source=torch.full((10,), -1, dtype=torch.int64),
         group_name="g",
         world_size=2,
     )
@@ -443,38 +457,44 @@ def test_op_errors_payload_rows():
         cp_materialize_kv(**_args(current_rows=[torch.zeros(6, 3, 1), a["current_rows"][1]]))
 
 
-def test_op_errors_dest_dtype_and_rank():
-    with pytest.raises(ValueError, match="'prefix_dest' must have dtype int64"):
-        cp_materialize_kv(**_args(prefix_dest=torch.full((8,), -1, dtype=torch.int32)))
-    with pytest.raises(ValueError, match="'current_dest' must have shape"):
-        cp_materialize_kv(**_args(current_dest=torch.full((2, 6), -1, dtype=torch.int64)))
-
-
-def test_op_errors_world_size_vs_layout():
-    # 8 prefix dests = 2 ranks x 4 rows; claiming 4 ranks cannot match.
-    with pytest.raises(ValueError, match="'prefix_dest' must have shape"):
-        cp_materialize_kv(**_args(world_size=4))
-    with pytest.raises(ValueError, match="'current_dest' must have shape"):
-        cp_materialize_kv(**_args(current_dest=torch.full((11,), -1, dtype=torch.int64)))
+def test_op_errors_source_dtype_and_rank():
+    with pytest.raises(ValueError, match="'kv_source' must have dtype int64"):
+        cp_materialize_kv(**_args(kv_source=torch.full((8,), -1, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="'kv_source' must be 1-D"):
+        cp_materialize_kv(**_args(kv_source=torch.full((2, 6), -1, dtype=torch.int64)))
 
 
 def test_op_errors_scalars():
-    with pytest.raises(ValueError, match="'kv_rows'"):
-        cp_materialize_kv(**_args(kv_rows=-1))
     with pytest.raises(ValueError, match="'world_size'"):
         cp_materialize_kv(**_args(world_size=0))
+    with pytest.raises(ValueError, match="'group_name'"):
+        cp_materialize_kv(**_args(group_name=""))
 
 
 def test_op_errors_device_mix():
     with pytest.raises(ValueError, match="one device"):
-        cp_materialize_kv(**_args(current_dest=torch.full((12,), -1, dtype=torch.int64, device="meta")))
+        cp_materialize_kv(**_args(kv_source=torch.full((12,), -1, dtype=torch.int64, device="meta")))
 
 
-def test_duplicate_destination_caught_in_debug_mode(monkeypatch):
+def test_source_range_checked_in_debug_mode(monkeypatch):
+    # 2 ranks x (4 prefix + 6 current) rows = 20 gathered rows: 20 is out of range.
     monkeypatch.setenv("CPGRAPH_DEBUG", "1")
-    dest = torch.full((12,), -1, dtype=torch.int64)
-    dest[3] = dest[9] = 7  # last-writer-wins would be silent corruption
-    with pytest.raises(ValueError, match="same full-view row"):
-        cp_materialize_kv_decomposed(**_args(current_dest=dest))
     with pytest.raises(ValueError, match="outside"):
-        cp_materialize_kv_decomposed(**_args(prefix_dest=torch.full((8,), 10, dtype=torch.int64)))
+        cp_materialize_kv_decomposed(**_args(kv_source=torch.tensor([0, 20], dtype=torch.int64)))
+    with pytest.raises(ValueError, match="outside"):
+        torch.ops.cpgraph.kv_compose([torch.zeros(2, 3)], [torch.zeros(3, 3)], torch.tensor([5]))
+
+
+# ------------------------------------------------------------ kv_compose
+@pytest.mark.parametrize("spec_index", [0, 1, 2, 3])
+def test_kv_compose_is_the_single_device_materialisation(spec_index):
+    spec = dict(scenario_specs(1)[spec_index], world=1)
+    sc = make_scenario(**spec)
+    plan = sc.plan()
+    desc = materialize_descriptors(plan, sc.owners_of(), sc.local_pages(0), 0)
+    prefix_rows, current_rows = rank_inputs(sc, 0, desc, plan.rank(0).token_index)
+    got = torch.ops.cpgraph.kv_compose(prefix_rows, current_rows, desc.kv_source)
+    for k, (g, w) in enumerate(zip(got, expected_views(sc))):
+        assert _same(g, w), f"payload {k} differs from the unsplit full view"
+    if spec_index < 3:
+        torch.library.opcheck(torch.ops.cpgraph.kv_compose.default, (prefix_rows, current_rows, desc.kv_source))
