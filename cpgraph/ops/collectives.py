@@ -155,40 +155,30 @@ def _cp_rerange_fake(rows, rerange_index, group_name, world_size):
 # ------------------------------------------------------------ cp_last_tokens
 def _check_last_tokens(rows, last_token_index, group_name, world_size) -> None:
     _check_rows("cp_last_tokens", rows)
-    if rows.dtype == torch.bool or rows.is_complex():
-        raise ValueError(f"cpgraph.cp_last_tokens: argument 'rows' must be a real numeric dtype, got {rows.dtype}")
     check_tensor("cp_last_tokens", "last_token_index", last_token_index, dtype=torch.int64, ndim=1)
     check_same_device("cp_last_tokens", rows=rows, last_token_index=last_token_index)
     check_group_args("cp_last_tokens", group_name, world_size)
 
 
-def cp_last_tokens_decomposed(
-    rows: Tensor, last_token_index: Tensor, group_name: str, world_size: int, rank: int | None = None
-) -> Tensor:
-    """Same result as ``cpgraph::cp_last_tokens``: owner-masked rows, one functional all-reduce.
+def cp_last_tokens_decomposed(rows: Tensor, last_token_index: Tensor, group_name: str, world_size: int) -> Tensor:
+    """Same result as ``cpgraph::cp_last_tokens``: a ``[B]``-row all-gather, then an owner pick.
 
-    ``rank`` is this rank's index in the group; when ``None`` it is looked
-    up from the group (host-side).  A lowering pass traces this per rank,
-    so the rank becomes a constant of that rank's graph.
+    Every rank takes, for each request, the row at the *local* position the
+    last token would have on its owner (``g % M``), so the graph is the same
+    on every rank (no rank constant: the compiled artifact can be shared by
+    all ranks through Inductor's cache).  After one all-gather of those
+    ``[B, ...]`` rows, row ``b`` is read from owner ``g // M``'s block.
     """
     _check_last_tokens(rows, last_token_index, group_name, world_size)
     num_rows = rows.shape[0]
     check_index_range("cp_last_tokens", "last_token_index", last_token_index, 0, world_size * num_rows)
-    if rank is None:
-        rank = resolve_group("cp_last_tokens", group_name, world_size).rank()
-    # Non-owners contribute -0.0: it is the exact identity of IEEE addition
-    # (-0.0 + x == x for every x, signed zeros included), so the sum over
-    # ranks reproduces the owner's row bit for bit in any float dtype and
-    # any reduction order.
-    fill = -0.0 if rows.is_floating_point() else 0
-    if num_rows == 0:  # nothing to own; still join the collective every rank issues
-        contrib = rows.new_full((last_token_index.shape[0], *rows.shape[1:]), fill)
-        return _funcol.wait_tensor(_funcol.all_reduce(contrib, "sum", group_name))
-    local = last_token_index - rank * num_rows
-    owned = (local >= 0) & (local < num_rows)
-    picked = rows.index_select(0, local.clamp(0, num_rows - 1))
-    contrib = torch.where(owned.view(-1, *([1] * (rows.dim() - 1))), picked, fill)
-    return _funcol.wait_tensor(_funcol.all_reduce(contrib, "sum", group_name))
+    local = last_token_index.remainder(num_rows)
+    owner = last_token_index.div(num_rows, rounding_mode="floor")
+    picked = rows.index_select(0, local)  # [B, ...] on every rank
+    gathered = all_gather_dim0(picked, group_name, world_size)  # [world * B, ...]
+    batch = last_token_index.shape[0]
+    flat = owner * batch + torch.arange(batch, device=last_token_index.device)
+    return gathered.index_select(0, flat)
 
 
 @torch.library.custom_op("cpgraph::cp_last_tokens", mutates_args=())
@@ -198,15 +188,14 @@ def cp_last_tokens(rows: Tensor, last_token_index: Tensor, group_name: str, worl
     ``last_token_index``: int64 ``[B]`` (``RankPlan.last_token_index``), the
     row of request b's last valid token in the rank-major ``[world_size * M]``
     gather; its owner is rank ``g // M``.  Instead of gathering all
-    ``world_size * M`` rows, each rank contributes only the rows it owns
-    (``-0.0``/``0`` elsewhere) and one all-reduce(sum) of ``[B, ...]``
-    combines them: the traffic is O(B) instead of O(world_size * M), and the
-    result is bit-exact because ``-0.0`` is the additive identity.
-    Row dtype must be real numeric (the all-reduce sums).
+    ``world_size * M`` rows, each rank contributes ``B`` rows (the candidate
+    at local row ``g % M``) and the owner's copy is kept: the traffic is
+    O(world_size * B) rows instead of O(world_size * M), the result is a
+    bit-exact copy in any dtype, and no rank index enters the graph.
     """
     _check_last_tokens(rows, last_token_index, group_name, world_size)
-    group = resolve_group("cp_last_tokens", group_name, world_size)
-    return cp_last_tokens_decomposed(rows, last_token_index, group_name, world_size, rank=group.rank())
+    resolve_group("cp_last_tokens", group_name, world_size)
+    return cp_last_tokens_decomposed(rows, last_token_index, group_name, world_size)
 
 
 @cp_last_tokens.register_fake
