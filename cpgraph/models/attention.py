@@ -8,8 +8,9 @@ Per layer (DOMAIN.md section 1):
 * keys/values: one shared record per token ``[rmsnorm(c) | rope(k_pe)]``
   written to the paged MLA cache at ``row_slots``; the full view (prefix and
   current tokens of every request, in the plan's full-view coordinates) is
-  read back from the cache at ``kv_slots``.  Under CP a compiler pass
-  replaces this store/gather pair by the owner-sharded materialisation;
+  composed by ``cpgraph::kv_compose`` from the cached prefix rows (read at
+  ``prefix_slots``) and this forward's fresh records.  Under CP a compiler
+  pass swaps that op for the owner-sharded ``cp_materialize_kv``;
 * ``cpgraph::sparse_mla`` attends over the selected full-view rows with
   softmax scale ``qk_head_dim^-0.5`` (x yarn mscale^2), values = latents;
   the latent output goes through ``W_UV`` and ``o_proj``.
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import cpgraph.ops.codecs  # noqa: F401  (registers mla_fp8_pack / mla_dense_pack)
+import cpgraph.ops.materialize  # noqa: F401
 import cpgraph.ops.rows  # noqa: F401
 
 from .batch import BatchMeta, KVLayout
@@ -96,13 +98,14 @@ class MLAttention(nn.Module):
         c = self.kv_a_layernorm(c)
         k_pe = rope_interleaved(k_pe, cos, sin)
 
-        # Write current rows to the cache, read the full view back (single device).
-        if layout.kv_format == "fp8":
-            _ops.paged_store(mla_pool, _ops.mla_fp8_pack(c, k_pe), meta.row_slots)
-            kv = _ops.mla_fp8_unpack(_ops.paged_gather(mla_pool, meta.kv_slots), x.dtype)
-        else:
-            _ops.paged_store(mla_pool, _ops.mla_dense_pack(c, k_pe), meta.row_slots)
-            kv = _ops.paged_gather(mla_pool, meta.kv_slots)
+        # Write this forward's rows to the cache; build the full view from the
+        # cached prefix (read from the pool) and the fresh rows (never re-read).
+        fp8 = layout.kv_format == "fp8"
+        record = _ops.mla_fp8_pack(c, k_pe) if fp8 else _ops.mla_dense_pack(c, k_pe)
+        _ops.paged_store(mla_pool, record, meta.row_slots)
+        (kv,) = _ops.kv_compose([_ops.paged_gather(mla_pool, meta.prefix_slots)], [record], meta.kv_source)
+        if fp8:
+            kv = _ops.mla_fp8_unpack(kv, x.dtype)
 
         if self.indexer is not None:
             topk = self.indexer(x, q_lat, cos, sin, meta, layout, index_pool)

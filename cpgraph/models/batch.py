@@ -22,7 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from cpgraph.plan import RankPlan
+from cpgraph.plan import CPPlan, materialize_descriptors
 from cpgraph.runtime.kv_pool import slots_for_positions
 
 KV_FORMATS = ("dense", "fp8")
@@ -45,26 +45,36 @@ class KVLayout:
 
 @dataclass
 class BatchMeta:
-    """Device metadata of one flat batch of ``M`` compute rows.
+    """Device metadata of one flat batch of ``M`` compute rows (one rank's view).
 
     * ``positions [M]``: absolute position of each row (0 for dummy rows);
     * ``ks``/``ke [M]``: the row's causal key window in full-view coordinates
       (``ks == ke == 0`` for dummy rows);
     * ``row_slots [M]``: physical KV slot each row's record is written to,
       ``-1`` for dummy rows (they never write);
-    * ``kv_slots [N_kv]``: physical slot of every full-view row (page-tail
-      slack rows point at allocated slots never inside any window);
-    * ``valid_rows [V]``: real rows, compacted around the MoE router;
-    * ``last_token_index [B]``: row of each request's last token.
+    * ``prefix_slots [P]``: physical slots of the cached-prefix rows this rank
+      holds, in full-view order (``-1`` padding) -- read from the pool;
+    * ``kv_source [N_kv]``: source row of every full-view row in
+      ``[prefix rows ; current rows]`` (rank-major over the CP group), ``-1``
+      for page-tail slack -- see ``cpgraph.ops.materialize``;
+    * ``last_token_index [B]``: row of each request's last token (gathered
+      coordinates: ``rank * M + row``);
+    * ``rerange_index [T]``: row of every extend token in global order (same
+      coordinates), used only for the all-hidden-states output.
+
+    The same fields serve one device and a CP rank: only their values differ,
+    which is what lets the compiler turn the single-device forward into the
+    CP one without new graph inputs.
     """
 
     positions: Tensor
     ks: Tensor
     ke: Tensor
     row_slots: Tensor
-    kv_slots: Tensor
-    valid_rows: Tensor
+    prefix_slots: Tensor
+    kv_source: Tensor
     last_token_index: Tensor
+    rerange_index: Tensor
 
     def to(self, device) -> "BatchMeta":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
@@ -74,50 +84,69 @@ pytree.register_dataclass(BatchMeta)
 
 
 def build_batch(
-    plan: RankPlan,
+    plan: CPPlan,
     tokens: Sequence[Sequence[int]],
     page_tables: Sequence[Sequence[int]],
     device=None,
+    *,
+    rank: int = 0,
+    prefix_page_owners: Sequence[Sequence[int]] | None = None,
 ) -> tuple[Tensor, BatchMeta]:
-    """Turn a ``cp_size=1`` rank plan, the extend tokens and page tables into forward inputs.
+    """Forward inputs of rank ``rank`` for one planned batch: ``(input_ids [M], meta)``.
 
-    ``tokens[i]`` are request i's *extend* tokens (the prefix is already in the
-    cache); ``page_tables[i]`` its physical pages covering
-    ``kv_lens[i]`` positions.  Returns ``(input_ids [M], meta)`` on ``device``.
-    Host-side numpy work, once per batch.
+    ``tokens[i]`` are request i's *extend* tokens (its prefix is already in
+    the cache).  ``page_tables[i]`` is this rank's physical page for every
+    page of request i (cached prefix pages, then extend pages), ``-1`` where
+    another rank owns the page.  ``prefix_page_owners[i]`` is the owner rank
+    of each cached prefix page (default: all rank 0, the single-device case);
+    extend pages are owned as the plan says.  Host-side numpy work, once per
+    batch; raises ``ValueError`` when the page tables contradict the owners.
     """
-    if plan.cp_size != 1:
-        raise ValueError(f"build_batch builds single-device batches; got a plan with cp_size={plan.cp_size}")
     B = len(tokens)
-    if len(page_tables) != B or plan.prefix_lens.shape[0] != B:
+    if len(page_tables) != B or plan.num_requests != B:
         raise ValueError(f"tokens ({B}), page_tables ({len(page_tables)}) and the plan must describe the same requests")
-    ps = plan.page_size
+    ps, cp = plan.page_size, plan.cp_size
+    prefix_pages = (plan.prefix_lens // ps).tolist()
+    if prefix_page_owners is None:
+        if cp != 1 and any(prefix_pages):
+            raise ValueError("prefix_page_owners is required for a CP plan with cached prefixes")
+        prefix_page_owners = [[0] * n for n in prefix_pages]
     flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
-    tok_idx = plan.token_index.cpu().numpy()  # sync-ok (host-side batch building)
-    req = plan.req_index.cpu().numpy()  # sync-ok
-    pos = plan.positions.cpu().numpy()  # sync-ok
-    kv_lens = plan.kv_lens.cpu().numpy()  # sync-ok
-    valid = tok_idx >= 0
-    if flat.shape[0] != int(plan.extend_lens.sum()):
+    if flat.shape[0] != plan.num_tokens:
         raise ValueError("tokens do not match the plan's extend lengths")
+    rp = plan.rank(rank, rerange=True)
+    tok_idx = rp.token_index.numpy()
+    req = rp.req_index.numpy()
+    pos = rp.positions.numpy()
+    valid = tok_idx >= 0
     input_ids = np.where(valid, flat[np.clip(tok_idx, 0, None)], 0)
-    row_slots = np.full(tok_idx.shape[0], -1, dtype=np.int64)
-    kv_slots = []
+
+    tables = []
     for i in range(B):
-        need = -(-int(kv_lens[i]) // ps)
-        if len(page_tables[i]) < need:
-            raise ValueError(f"request {i}: page table has {len(page_tables[i])} pages, needs {need}")
-        rows = np.nonzero(req == i)[0]
-        row_slots[rows] = slots_for_positions(page_tables[i], pos[rows], ps)
-        kv_slots.append(slots_for_positions(page_tables[i], np.arange(int(kv_lens[i])), ps))
+        need = prefix_pages[i] + int(plan.num_pages[i])
+        table = np.asarray(page_tables[i], dtype=np.int64)
+        if table.ndim != 1 or table.shape[0] < need:
+            raise ValueError(f"request {i}: page table has {table.shape[0]} pages, needs {need}")
+        tables.append(table[:need])
+    # Rows: a rank computes only tokens of pages it owns, so every row's page is local.
+    row_slots = np.full(tok_idx.shape[0], -1, dtype=np.int64)
+    for i in range(B):
+        rows = np.flatnonzero(req == i)
+        if rows.size:
+            row_slots[rows] = slots_for_positions(tables[i], pos[rows], ps)
+            if (row_slots[rows] < 0).any():
+                raise ValueError(f"request {i}: rank {rank} computes rows whose pages it does not own")
+    local_prefix = [tables[i][: prefix_pages[i]] for i in range(B)]
+    desc = materialize_descriptors(plan, prefix_page_owners, local_prefix, rank)
     meta = BatchMeta(
-        positions=plan.positions.clone(),
-        ks=plan.ks.clone(),
-        ke=plan.ke.clone(),
+        positions=rp.positions,
+        ks=rp.ks,
+        ke=rp.ke,
         row_slots=torch.from_numpy(row_slots),
-        kv_slots=torch.from_numpy(np.concatenate(kv_slots)),
-        valid_rows=plan.valid_rows.clone(),
-        last_token_index=plan.last_token_index.clone(),
+        prefix_slots=desc.send_slots,
+        kv_source=desc.kv_source,
+        last_token_index=rp.last_token_index,
+        rerange_index=rp.rerange_index,
     )
     ids = torch.from_numpy(input_ids)
     if device is not None:

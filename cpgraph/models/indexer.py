@@ -7,8 +7,10 @@ DeepSeek-V3.2, interleaved for GLM-5: ``config.indexer_rope``),
 ``sum_h w[s,h] * H^-0.5 * D^-0.5 * relu(iq[s,h] . ik[t])`` over the causal
 window ``[ks, ke)``; all scale factors are folded into ``w`` before the op.
 
-Keys are stored per layer in the index-K cache and the full view is read back
-through ``kv_slots`` (the store/gather pair the CP pass rewrites):
+Keys are stored per layer in the index-K cache; the full view is composed
+from the cached prefix keys (read at ``prefix_slots``) and this forward's
+keys by ``cpgraph::kv_compose``, the op the CP pass swaps for the
+owner-sharded materialisation:
 
 * ``dense``: slot-major ``[slots, D]`` pool in the model dtype; scoring with
   ``cpgraph::indexer_topk`` (fused logits + top-k, chunked by a byte budget);
@@ -36,6 +38,7 @@ _ops = torch.ops.cpgraph
 
 def _indexer_ops():
     import cpgraph.ops.indexer  # noqa: F401
+    import cpgraph.ops.materialize  # noqa: F401
     import cpgraph.ops.paged  # noqa: F401
 
 
@@ -79,12 +82,15 @@ class Indexer(nn.Module):
             q = _ops.hadamard(q)
             k = _ops.hadamard(k)
             _ops.index_k_store(index_pool, k, meta.row_slots, layout.page_size)
-            k_bytes, k_scale = _ops.index_k_gather(index_pool, meta.kv_slots, layout.page_size, self.head_dim)
+            cur_bytes, cur_scale = _ops.index_k_quant(k)
+            pre_bytes, pre_scale = _ops.index_k_gather(index_pool, meta.prefix_slots, layout.page_size, self.head_dim)
+            k_bytes, k_scale = _ops.kv_compose([pre_bytes, pre_scale], [cur_bytes, cur_scale], meta.kv_source)
             q_bytes, w_q = _ops.indexer_q_quant(q, w)
             # head_dim <= 128 -> one scale block per token (checked when the layout is built).
             logits = _ops.indexer_logits_fp8(q_bytes, k_bytes, k_scale[:, 0].contiguous(), w_q, meta.ks, meta.ke)
             return _ops.topk_ragged(logits, meta.ks, meta.ke, self.topk)
 
-        _ops.paged_store(index_pool, k.to(index_pool.dtype), meta.row_slots)
-        k_full = _ops.paged_gather(index_pool, meta.kv_slots)
+        k = k.to(index_pool.dtype)
+        _ops.paged_store(index_pool, k, meta.row_slots)
+        (k_full,) = _ops.kv_compose([_ops.paged_gather(index_pool, meta.prefix_slots)], [k], meta.kv_source)
         return _ops.indexer_topk(q, k_full, w, meta.ks, meta.ke, self.topk, layout.max_logits_bytes)

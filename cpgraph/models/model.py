@@ -32,7 +32,7 @@ _ops = torch.ops.cpgraph
 
 class ForwardOutput(NamedTuple):
     logits: Tensor  # fp32 [B, vocab]
-    hidden: Tensor | None  # final-normed hidden states of all M compute rows (dummies included)
+    hidden: Tensor | None  # final-normed hidden states [T, hidden] of every extend token, global order
     topk: list[Tensor] | None  # per layer int32 [M, index_topk], full-view row ids
 
 
@@ -49,12 +49,9 @@ class DecoderLayer(nn.Module):
         attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, layout, mla_pool, index_pool, prev_topk)
         x = x + attn
         h = self.post_attention_layernorm(x)
-        if self.is_moe:
-            # Dummy rows never reach the router: compact, route, restore (dummies -> 0).
-            h = _ops.restore_compute(self.mlp(_ops.compact_valid(h, meta.valid_rows)), meta.valid_rows, h.shape[0])
-        else:
-            h = self.mlp(h)
-        return x + h, topk
+        # MoE is row-local; the compiler's MoE pass compacts valid rows around
+        # it so that padding rows never reach the router (docs/contracts.md).
+        return x + self.mlp(h), topk
 
 
 class DSABody(nn.Module):
@@ -126,5 +123,7 @@ class DSAForCausalLM(nn.Module):
                 all_topk.append(topk)
         last = _ops.take_rows(x, meta.last_token_index)
         logits = self.lm_head(body.norm(last)).float()
-        hidden = body.norm(x) if return_hidden else None
+        # All hidden states: valid tokens only, in global order (under CP the
+        # output pass turns this row selection into the rerange).
+        hidden = _ops.take_rows(body.norm(x), meta.rerange_index) if return_hidden else None
         return ForwardOutput(logits, hidden, all_topk if return_topk else None)

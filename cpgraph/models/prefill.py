@@ -141,7 +141,7 @@ def prefill(
             progress(f"prefix pass: {len(with_prefix)} requests, {sum(prefix)} tokens")
         plan = plan_prefill([0] * len(with_prefix), [prefix[i] for i in with_prefix], cp_size=1, page_size=ps)
         ids, meta = build_batch(
-            plan.rank(0), [lists[i][: prefix[i]] for i in with_prefix], [page_tables[i] for i in with_prefix], device
+            plan, [lists[i][: prefix[i]] for i in with_prefix], [page_tables[i] for i in with_prefix], device
         )
         model(ids, meta, mla, index, layout)
 
@@ -149,7 +149,7 @@ def prefill(
     if progress:
         progress(f"extend pass: {len(lists)} requests, {sum(extend)} tokens")
     plan = plan_prefill(prefix, extend, cp_size=1, page_size=ps)
-    ids, meta = build_batch(plan.rank(0), [t[p:] for t, p in zip(lists, prefix)], page_tables, device)
+    ids, meta = build_batch(plan, [t[p:] for t, p in zip(lists, prefix)], page_tables, device)
     out = model(ids, meta, mla, index, layout, return_topk=return_topk)
     kv_bytes = pool.bytes_per_page() * sum(pages_per_req)
     return PrefillResult(out.logits, kv_bytes, total_pages, out.topk, meta if return_topk else None)

@@ -9,3 +9,6 @@ from . import codecs, collectives, indexer, materialize, paged, rows, sparse_mla
 from .providers import active_provider, register_provider, select, unregister_provider
 
 __all__ = ["register_provider", "unregister_provider", "select", "active_provider"]
+
+# Register the Triton providers for "cuda" (a warning, not an error, without Triton).
+from .. import kernels as _kernels  # noqa: E402,F401

@@ -20,7 +20,7 @@ def _inputs(model, layout: KVLayout, lens):
     tables = [pool.alloc_pages_with_owners([0] * -(-n // layout.page_size)) for n in lens]
     g = torch.Generator().manual_seed(0)
     toks = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-    plan = plan_prefill([0] * len(lens), lens, cp_size=1, page_size=layout.page_size, row_align=8).rank(0)
+    plan = plan_prefill([0] * len(lens), lens, cp_size=1, page_size=layout.page_size, row_align=8)
     ids, meta = build_batch(plan, toks, tables)
     mla = [pool.mla_pool(i) for i in range(cfg.num_hidden_layers)]
     idx = [pool.index_pool(i) for i in cfg.indexer_layers]

@@ -124,12 +124,13 @@ def test_hidden_states_output():
     pool = KVPool(KVPoolConfig(cfg.num_hidden_layers, 16, 3, "dense", cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                cfg.index_head_dim, cfg.indexer_layers, torch.float32))
     tables = [pool.alloc_pages_with_owners([0]), pool.alloc_pages_with_owners([0, 0])]
-    ids, meta = build_batch(plan_prefill([0, 0], [9, 30], cp_size=1, page_size=16, row_align=16).rank(0), ps, tables)
+    ids, meta = build_batch(plan_prefill([0, 0], [9, 30], cp_size=1, page_size=16, row_align=16), ps, tables)
     mla = [pool.mla_pool(i) for i in range(cfg.num_hidden_layers)]
     idx = [pool.index_pool(i) for i in cfg.indexer_layers]
     with torch.no_grad():
         out = model(ids, meta, mla, idx, KVLayout("dense", 16), return_hidden=True)
-        assert out.hidden.shape == (48, cfg.hidden_size) and out.topk is None
+        # Valid tokens only, in global order: the 9 + 30 extend tokens, no padding rows.
+        assert out.hidden.shape == (39, cfg.hidden_size) and out.topk is None
         from_hidden = model.lm_head(out.hidden[meta.last_token_index]).float()
     assert torch.allclose(from_hidden, out.logits, rtol=1e-5, atol=1e-5)
     assert torch.allclose(out.logits, prefill_logits(model, ps), rtol=1e-5, atol=1e-5)
@@ -175,7 +176,7 @@ def test_dummy_rows_do_not_change_results():
                          cfg.index_head_dim, cfg.indexer_layers, torch.float32)
         )
         tables = [pool.alloc_pages_with_owners([0] * 1), pool.alloc_pages_with_owners([0] * 2)]
-        plan = plan_prefill([0, 0], [7, 19], cp_size=1, page_size=16, row_align=align).rank(0)
+        plan = plan_prefill([0, 0], [7, 19], cp_size=1, page_size=16, row_align=align)
         ids, meta = build_batch(plan, ps, tables)
         assert (meta.row_slots == -1).sum() == plan.num_rows - 26
         mla = [pool.mla_pool(i) for i in range(cfg.num_hidden_layers)]
