@@ -1,0 +1,83 @@
+"""cpgraph's Triton kernels for CP data movement, registered as op providers.
+
+Importing this package registers every kernel for device ``"cuda"``
+through :func:`cpgraph.ops.providers.register_provider`; the custom ops stay
+the wrappers (their metadata checks and fake rules are unchanged), and
+``CPGRAPH_PROVIDERS=reference`` still forces the torch references.  On a
+machine without Triton the import logs why and registers nothing, so the
+references keep working.
+
+Providers are plain functions that launch kernels (no ``triton_op``): the
+same launchers then run on CPU tensors under ``TRITON_INTERPRET=1``, which
+is how CI tests them.  See ``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("cpgraph.kernels")
+
+PROVIDER_NAME = "triton"
+
+try:
+    import triton  # noqa: F401
+except Exception as exc:  # pragma: no cover - triton is a dependency, but be explicit
+    triton = None
+    _IMPORT_ERROR: Exception | None = exc
+else:
+    _IMPORT_ERROR = None
+
+
+def providers() -> dict:
+    """Op name -> Triton launcher (each takes the op's arguments, returns what the reference returns)."""
+    from . import codecs, move
+
+    return {
+        "take_rows": move.take_rows,
+        "compact_valid": move.compact_valid,
+        "restore_compute": move.restore_compute,
+        "compact_valid_static": move.compact_valid_static,
+        "restore_compute_static": move.restore_compute_static,
+        "paged_gather": move.paged_gather,
+        "paged_store": move.paged_store,
+        "index_k_gather": move.index_k_gather,
+        "index_k_store": codecs.index_k_store,
+        "index_k_page_pack": codecs.index_k_page_pack,
+        "mla_fp8_pack": codecs.mla_fp8_pack,
+        "mla_fp8_unpack": codecs.mla_fp8_unpack,
+    }
+
+
+def register_triton_providers(device_types=("cuda",)) -> list[str]:
+    """Register every Triton kernel for ``device_types``; returns the op names registered.
+
+    ``device_types=("cpu",)`` is only meaningful under ``TRITON_INTERPRET=1``
+    (tests use it to drive the ops end to end through the interpreter).
+    """
+    if _IMPORT_ERROR is not None:
+        log.warning("cpgraph.kernels: triton unavailable (%s); ops keep their torch references", _IMPORT_ERROR)
+        return []
+    import cpgraph.ops  # noqa: F401  (the ops must exist before their providers)
+    from cpgraph.ops.providers import register_provider
+
+    table = providers()
+    for device_type in device_types:
+        for op, fn in table.items():
+            register_provider(op, device_type, PROVIDER_NAME, fn)
+    return list(table)
+
+
+def unregister_triton_providers(device_types=("cuda",)) -> None:
+    """Undo :func:`register_triton_providers` (tests; bisecting a difference)."""
+    from cpgraph.ops.providers import active_provider, unregister_provider
+
+    for device_type in device_types:
+        for op in providers():
+            if active_provider(op, device_type) == PROVIDER_NAME:
+                unregister_provider(op, device_type)
+
+
+REGISTERED = register_triton_providers()
+
+__all__ = ["register_triton_providers", "unregister_triton_providers", "providers", "PROVIDER_NAME", "REGISTERED"]

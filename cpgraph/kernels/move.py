@@ -1,0 +1,338 @@
+"""One Triton row mover behind every byte-moving op.
+
+take_rows, compact_valid/restore_compute (both forms), paged_gather,
+paged_store, index_k_gather and the materialisation placement all move
+whole rows of bytes from one address set to another.  They differ only in
+how a row number becomes an address:
+
+* gather: ``dst row r  <-  src row index[r]`` (``-1`` -> zero row);
+* scatter: ``dst row index[r]  <-  src row r`` (``-1`` -> skipped);
+* a row address is ``(row // PAGE) * PAGE_STRIDE + (row % PAGE) * TOK_STRIDE
+  + BASE``, which covers plain rows (``PAGE == 1``) and token slices of
+  fp8 index-K pages (keys and scales live in different parts of a page).
+
+Rows are moved as the widest machine word (8/4/2/1 bytes) that divides the
+row width, every stride, the base offsets and both data pointers, so a
+bf16 hidden row travels as int64 words and Triton can issue 16-byte
+accesses.  Widths and strides are compile-time constants: the alignment
+they imply is what lets Triton vectorise (there are few distinct
+geometries per model, so few compilations).  Grid sizes come from shapes
+only and nothing reads device data on the host, so every launch is CUDA
+graph capturable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (CPU tensors, cost per program)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@triton.jit
+def _row_offset(row, PAGE: tl.constexpr, PAGE_STRIDE: tl.constexpr, TOK_STRIDE: tl.constexpr):
+    if PAGE == 1:
+        return row * PAGE_STRIDE
+    else:
+        return (row // PAGE) * PAGE_STRIDE + (row % PAGE) * TOK_STRIDE
+
+
+@triton.jit
+def _move_rows_kernel(
+    src,
+    dst,
+    index,
+    num_rows,
+    GATHER: tl.constexpr,
+    SRC_PAGE: tl.constexpr,
+    SRC_PAGE_STRIDE: tl.constexpr,
+    SRC_TOK_STRIDE: tl.constexpr,
+    SRC_BASE: tl.constexpr,
+    DST_PAGE: tl.constexpr,
+    DST_PAGE_STRIDE: tl.constexpr,
+    DST_TOK_STRIDE: tl.constexpr,
+    DST_BASE: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    idx = tl.load(index + rows, mask=row_ok, other=-1).to(tl.int64)
+    valid = row_ok & (idx >= 0)
+    idx = tl.maximum(idx, 0)
+    if GATHER:
+        src_row = idx
+        dst_row = rows.to(tl.int64)
+    else:
+        src_row = rows.to(tl.int64)
+        dst_row = idx
+    src_off = _row_offset(src_row, SRC_PAGE, SRC_PAGE_STRIDE, SRC_TOK_STRIDE) + SRC_BASE
+    dst_off = _row_offset(dst_row, DST_PAGE, DST_PAGE_STRIDE, DST_TOK_STRIDE) + DST_BASE
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    col_ok = cols < WIDTH
+    vals = tl.load(src + src_off[:, None] + cols[None, :], mask=valid[:, None] & col_ok[None, :], other=0)
+    if GATHER:
+        store_ok = row_ok  # -1 rows are written as zeros
+    else:
+        store_ok = valid  # -1 rows are skipped
+    tl.store(dst + dst_off[:, None] + cols[None, :], vals, mask=store_ok[:, None] & col_ok[None, :])
+
+
+class Layout:
+    """Byte addressing of rows in a buffer: ``(r // page) * page_stride + (r % page) * tok_stride + base``."""
+
+    __slots__ = ("page", "page_stride", "tok_stride", "base")
+
+    def __init__(self, page_stride: int, *, page: int = 1, tok_stride: int = 0, base: int = 0):
+        self.page, self.page_stride, self.tok_stride, self.base = page, page_stride, tok_stride, base
+
+    def quantities(self) -> tuple[int, ...]:
+        return (self.page_stride, self.tok_stride, self.base)
+
+    def in_words(self, w: int) -> tuple[int, int, int, int]:
+        return self.page, self.page_stride // w, self.tok_stride // w, self.base // w
+
+
+def byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [N, ...]`` as ``uint8 [N, row_bytes]`` sharing memory (rows may be strided).
+
+    The trailing dims must be contiguous within a row; if they are not, a
+    contiguous copy is taken (never the case for the ops' own call sites).
+    """
+    n = t.shape[0]
+    expected, ok = 1, True
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            ok = False
+        expected *= size
+    if not ok:
+        t = t.contiguous()
+    width = 1
+    for size in t.shape[1:]:
+        width *= size
+    rows = t.as_strided((n, width), (t.stride(0) if n > 1 else width, 1))
+    return rows.view(torch.uint8)
+
+
+def word_size(*quantities: int, tensors=()) -> int:
+    """Largest word (8/4/2/1 bytes) dividing every byte quantity and tensor alignment."""
+    for w in (8, 4, 2, 1):
+        if all(q % w == 0 for q in quantities) and all(
+            t.data_ptr() % w == 0 and t.storage_offset() % w == 0 and t.stride(0) % w == 0 and t.shape[-1] % w == 0
+            for t in tensors
+        ):
+            return w
+    return 1
+
+
+def _tile(width: int, word: int, num_rows: int) -> tuple[int, int, int]:
+    """``(ROWS, BLOCK_W, num_warps)``: about 16 KB per program on GPU, much more when interpreting."""
+    cap = max(1, 4096 // word)  # widest column block: 4 KB
+    block_w = None
+    c = cap
+    while c >= 64:  # prefer a column block that divides the row (no masked lanes)
+        if width % c == 0:
+            block_w = c
+            break
+        c //= 2
+    if block_w is None:
+        block_w = min(triton.next_power_of_2(width), cap)
+    target = (1 << 20 if interpreting() else 16384) // word
+    rows = max(1, min(target // block_w, 1024, triton.next_power_of_2(max(num_rows, 1))))
+    tile_bytes = rows * block_w * word
+    return rows, block_w, 8 if tile_bytes >= 8192 else 4
+
+
+def move_rows(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    index: torch.Tensor,
+    num_rows: int,
+    width_bytes: int,
+    src_layout: Layout,
+    dst_layout: Layout,
+    *,
+    gather: bool,
+) -> None:
+    """Launch the row mover on byte buffers ``src``/``dst`` (2-D uint8, unit last stride).
+
+    ``gather=True``: ``dst row r <- src row index[r]`` for ``r < num_rows``
+    (zeros where ``index[r] == -1``); ``gather=False``: ``dst row index[r]
+    <- src row r`` (skipped where ``-1``).  ``index``: int32/int64 ``[num_rows]``.
+    """
+    if num_rows == 0 or width_bytes == 0:
+        return
+    w = word_size(width_bytes, *src_layout.quantities(), *dst_layout.quantities(), tensors=(src, dst))
+    word = _WORD_DTYPES[w]
+    src_w, dst_w = src.view(word), dst.view(word)
+    width = width_bytes // w
+    rows, block_w, warps = _tile(width, w, num_rows)
+    sp, sps, sts, sb = src_layout.in_words(w)
+    dp, dps, dts, db = dst_layout.in_words(w)
+    grid = (triton.cdiv(num_rows, rows), triton.cdiv(width, block_w))
+    _move_rows_kernel[grid](
+        src_w, dst_w, index, num_rows,
+        GATHER=gather,
+        SRC_PAGE=sp, SRC_PAGE_STRIDE=sps, SRC_TOK_STRIDE=sts, SRC_BASE=sb,
+        DST_PAGE=dp, DST_PAGE_STRIDE=dps, DST_TOK_STRIDE=dts, DST_BASE=db,
+        WIDTH=width, ROWS=rows, BLOCK_W=block_w, num_warps=warps,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------- row ops
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Provider of ``cpgraph::take_rows``: ``out[k] = x[index[k]]``, zero rows for ``-1``.
+
+    ``x`` may have strided rows (materialisation passes a byte-column slice
+    of the gathered buffer): only the selected bytes are read, no copy first.
+    """
+    out = torch.empty((index.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    src = byte_rows(x)
+    dst = byte_rows(out)
+    width = dst.shape[1]
+    move_rows(src, dst, index, index.shape[0], width, Layout(src.stride(0)), Layout(width), gather=True)
+    return out
+
+
+def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+    """``dst[index[i]] = rows[i]`` for ``index[i] != -1`` (in place, ``dst`` rows may be strided)."""
+    if rows.shape[0] == 0 or rows.numel() == 0:
+        return
+    if not _rows_contiguous(dst):  # a copy would swallow the writes: callers fall back
+        raise ValueError("cpgraph kernels: the store target must have contiguous rows")
+    d = byte_rows(dst)
+    s = byte_rows(rows)
+    move_rows(s, d, index, rows.shape[0], s.shape[1], Layout(s.stride(0)), Layout(d.stride(0)), gather=False)
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def compact_valid(x: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+    """Provider of ``cpgraph::compact_valid``: a gather through ``valid_rows``."""
+    return take_rows(x, valid_rows)
+
+
+def restore_compute(y: torch.Tensor, valid_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Provider of ``cpgraph::restore_compute``.
+
+    The scatter ``out[valid_rows] = y`` is turned into a gather through the
+    inverse index (``-1`` where no valid row lands), so every output row is
+    written exactly once (no zero fill pass): two tiny index launches,
+    then one row move.
+    """
+    inverse = torch.full((num_rows,), -1, dtype=torch.int64, device=y.device)
+    inverse.index_copy_(0, valid_rows.to(torch.int64), torch.arange(y.shape[0], device=y.device))
+    return take_rows(y, inverse)
+
+
+# --------------------------------------------------- static-shape compaction
+@triton.jit
+def _valid_scan_kernel(row_kind, gather_index, restore_index, num_valid, M, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """One program: positions of valid rows (``row_kind == 0``) by a chunked prefix sum.
+
+    ``gather_index[j]``: row of the j-th valid row, ``-1`` for ``j >=
+    num_valid`` (compaction); ``restore_index[i]``: rank of row i among the
+    valid rows, ``-1`` for a dummy (restoration).  Both are what a stable
+    sort on "is dummy" would give, without sorting.  The trip count is a
+    constant (``M`` rounded up to a power of two, in ``BLOCK`` chunks): one
+    compilation per size bucket, and the CPU interpreter cannot loop to a
+    runtime bound.
+    """
+    carry = tl.zeros([1], dtype=tl.int32)
+    for chunk in range(CHUNKS):
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M
+        kind = tl.load(row_kind + offs, mask=ok, other=1)
+        v = (kind == 0) & ok
+        pos = tl.cumsum(v.to(tl.int32), axis=0) + carry - 1
+        tl.store(gather_index + pos, offs.to(tl.int64), mask=v)
+        tl.store(restore_index + offs, tl.where(v, pos, -1).to(tl.int64), mask=ok)
+        carry += tl.sum(v.to(tl.int32), axis=0)
+    for chunk in range(CHUNKS):
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        tl.store(gather_index + offs, tl.full([BLOCK], -1, tl.int64), mask=(offs < M) & (offs >= carry))
+    tl.store(num_valid + tl.arange(0, 1), carry.to(tl.int64))
+
+
+def valid_scan(row_kind: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(gather_index [M], restore_index [M], num_valid int64 [1])`` from one launch."""
+    m = row_kind.shape[0]
+    gather_index = torch.empty(m, dtype=torch.int64, device=row_kind.device)
+    restore_index = torch.empty(m, dtype=torch.int64, device=row_kind.device)
+    num_valid = torch.empty(1, dtype=torch.int64, device=row_kind.device)
+    bucket = max(triton.next_power_of_2(max(m, 1)), 128)
+    block = min(bucket, 65536 if interpreting() else 4096)
+    _valid_scan_kernel[(1,)](
+        row_kind, gather_index, restore_index, num_valid, m, BLOCK=block, CHUNKS=bucket // block, num_warps=8
+    )
+    return gather_index, restore_index, num_valid
+
+
+def compact_valid_static(x: torch.Tensor, row_kind: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Provider of ``cpgraph::compact_valid_static``: scan, then a gather (tail rows zero)."""
+    gather_index, _, num_valid = valid_scan(row_kind)
+    return take_rows(x, gather_index), num_valid
+
+
+def restore_compute_static(y: torch.Tensor, row_kind: torch.Tensor) -> torch.Tensor:
+    """Provider of ``cpgraph::restore_compute_static``: scan, then a gather (dummy rows zero)."""
+    _, restore_index, _ = valid_scan(row_kind)
+    return take_rows(y, restore_index)
+
+
+# ---------------------------------------------------------------- paged ops
+def paged_gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Provider of ``cpgraph::paged_gather`` (same contract as ``take_rows`` on a 2-D pool)."""
+    return take_rows(pool, slots)
+
+
+def paged_store(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Provider of ``cpgraph::paged_store``: scatter rows into the pool, skipping ``-1``.
+
+    A pool whose rows are not contiguous (never the case for pools the
+    runtime allocates) takes the reference path, explicitly.
+    """
+    if not _rows_contiguous(pool):
+        from cpgraph.ops.paged import paged_store_reference
+
+        return paged_store_reference(pool, rows, slots)
+    scatter_rows(pool, rows, slots)
+
+
+def index_k_gather(pages: torch.Tensor, slots: torch.Tensor, page_size: int, head_dim: int):
+    """Provider of ``cpgraph::index_k_gather``: key bytes and scales of each slot's token.
+
+    Two row moves over the page bytes with paged addressing: the key
+    segment (``head_dim`` bytes at ``offset * head_dim``) and the scale
+    segment (``4 nb`` bytes after the page's ``page_size * head_dim`` key bytes).
+    """
+    n = slots.shape[0]
+    nb = (head_dim + 127) // 128
+    key_bytes = torch.empty((n, head_dim), dtype=torch.uint8, device=pages.device)
+    scales = torch.empty((n, nb), dtype=torch.float32, device=pages.device)
+    if n == 0:
+        return key_bytes, scales
+    stride = pages.stride(0)
+    keys_at = Layout(stride, page=page_size, tok_stride=head_dim)
+    scales_at = Layout(stride, page=page_size, tok_stride=4 * nb, base=page_size * head_dim)
+    move_rows(pages, key_bytes, slots, n, head_dim, keys_at, Layout(head_dim), gather=True)
+    move_rows(pages, scales.view(torch.uint8), slots, n, 4 * nb, scales_at, Layout(4 * nb), gather=True)
+    return key_bytes, scales
