@@ -52,7 +52,9 @@ except Exception as exc:  # noqa: BLE001
 try:
     import cpgraph.kernels as kernels
     from cpgraph.kernels import codecs as kcodecs
+    from cpgraph.kernels import materialize as kmat
     from cpgraph.kernels import move
+    from cpgraph.ops import materialize as omat
     from cpgraph.ops import codecs, paged, rows
     from cpgraph.plan import plan_prefill
 except Exception:  # noqa: BLE001
@@ -172,22 +174,25 @@ def cases(tokens: int, gen: torch.Generator):
            lambda: paged.index_k_gather_reference(pages, slots, PAGE, INDEX_DIM), None)  # fmt: skip
     del keys, pages
 
-    # --- materialisation composition: per-kind placement from the gathered byte buffer
-    widths = [656, 128, 4]
-    width = sum(widths)
-    gathered_b = torch.randint(0, 256, (tokens + 32 * PAGE, width), device="cuda", generator=gen).to(torch.uint8)
+    # --- materialisation: pack (prefix + current rows of every kind -> send rows) and placement
+    #     (gathered packed rows -> every kind's full view), packed layout of cpgraph.ops.materialize
+    cur = [
+        torch.randint(0, 256, (tokens, 656), device="cuda", generator=gen).to(torch.uint8),
+        torch.randint(0, 256, (tokens, 128), device="cuda", generator=gen).to(torch.uint8),
+        torch.rand(tokens, 1, device="cuda", generator=gen),
+    ]
+    pre = [c[: 8 * PAGE] for c in cur]
+    payload = sum(c.shape[1] * c.element_size() for c in cur)  # 788 B of payload per row
+    columns, packed = omat.packed_columns(cur)  # 792-B packed rows (8-byte aligned kinds)
+    n_send = pre[0].shape[0] + tokens
+    yield ("materialize pack", f"{n_send} x (656+128+4) B -> {packed} B", n_send * (payload + packed),
+           lambda: kmat.pack_rows(pre, cur, columns, packed),
+           lambda: omat.pack_reference(pre, cur, columns, packed), None)  # fmt: skip
+    gathered_b = torch.randint(0, 256, (tokens + 32 * PAGE, packed), device="cuda", generator=gen).to(torch.uint8)
     source = _perm_index(tokens, gathered_b.shape[0], gen)
-    slices = []
-    col = 0
-    for w in widths:
-        slices.append(gathered_b[:, col : col + w])
-        col += w
-
-    def place(take):
-        return [take(s, source) for s in slices]
-
-    yield ("materialize placement", f"{tokens} x (656+128+4) B", 2 * tokens * width + len(widths) * tokens * 8,
-           lambda: place(move.take_rows), lambda: place(rows.take_rows_reference), None)  # fmt: skip
+    yield ("materialize placement", f"{tokens} x (656+128+4) B", 2 * tokens * payload + tokens * 8,
+           lambda: kmat.place_rows(gathered_b, source, columns, cur),
+           lambda: omat.place_reference(gathered_b, source, columns, cur), None)  # fmt: skip
 
 
 def run_table(bench: Bench, tokens_list, seed: int) -> list[dict]:

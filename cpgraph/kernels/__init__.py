@@ -31,7 +31,7 @@ else:
 
 def providers() -> dict:
     """Op name -> Triton launcher (each takes the op's arguments, returns what the reference returns)."""
-    from . import codecs, move
+    from . import codecs, materialize, move
 
     return {
         "take_rows": move.take_rows,
@@ -46,6 +46,8 @@ def providers() -> dict:
         "index_k_page_pack": codecs.index_k_page_pack,
         "mla_fp8_pack": codecs.mla_fp8_pack,
         "mla_fp8_unpack": codecs.mla_fp8_unpack,
+        "cp_materialize_kv_pack": materialize.pack_rows,
+        "cp_materialize_kv_place": materialize.place_rows,
     }
 
 
@@ -65,7 +67,26 @@ def register_triton_providers(device_types=("cuda",)) -> list[str]:
     for device_type in device_types:
         for op, fn in table.items():
             register_provider(op, device_type, PROVIDER_NAME, fn)
+    register_rerange_p2p(device_types)
     return list(table)
+
+
+def register_rerange_p2p(device_types=("cuda",)) -> bool:
+    """Register the folded P2P rerange as ``cp_rerange``'s provider iff ``CPGRAPH_RERANGE=p2p``.
+
+    Explicit opt-in (it needs host runs attached per batch, see
+    :mod:`cpgraph.kernels.p2p`); the registry logs the choice once.
+    """
+    from cpgraph.ops.providers import register_provider
+
+    from . import p2p
+
+    if not p2p.enabled():
+        return False
+    for device_type in device_types:
+        register_provider("cp_rerange", device_type, p2p.PROVIDER_NAME, p2p.cp_rerange_p2p)
+    log.info("cpgraph.kernels: %s=p2p, cp_rerange uses the folded point-to-point path where runs are attached", p2p.ENV)
+    return True
 
 
 def unregister_triton_providers(device_types=("cuda",)) -> None:
@@ -80,4 +101,4 @@ def unregister_triton_providers(device_types=("cuda",)) -> None:
 
 REGISTERED = register_triton_providers()
 
-__all__ = ["register_triton_providers", "unregister_triton_providers", "providers", "PROVIDER_NAME", "REGISTERED"]
+__all__ = ["register_triton_providers", "register_rerange_p2p", "unregister_triton_providers", "providers", "PROVIDER_NAME", "REGISTERED"]

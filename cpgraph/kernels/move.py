@@ -171,6 +171,13 @@ def move_rows(
     """
     if num_rows == 0 or width_bytes == 0:
         return
+    from . import segments
+
+    if dst_layout.page == 1 and dst_layout.tok_stride == 0 and segments.fits(width_bytes):
+        # Narrow rows: whole rows per program in power-of-two pieces (no masked lanes).
+        seg = segments.Segment(src, dst, src_layout, dst_layout.page_stride, width_bytes, dst_base=dst_layout.base)
+        segments.move_segments([seg], index, num_rows, segments.GATHER if gather else segments.SCATTER)
+        return
     w = word_size(width_bytes, *src_layout.quantities(), *dst_layout.quantities(), tensors=(src, dst))
     word = _WORD_DTYPES[w]
     src_w, dst_w = src.view(word), dst.view(word)
@@ -320,19 +327,33 @@ def paged_store(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
 def index_k_gather(pages: torch.Tensor, slots: torch.Tensor, page_size: int, head_dim: int):
     """Provider of ``cpgraph::index_k_gather``: key bytes and scales of each slot's token.
 
-    Two row moves over the page bytes with paged addressing: the key
-    segment (``head_dim`` bytes at ``offset * head_dim``) and the scale
-    segment (``4 nb`` bytes after the page's ``page_size * head_dim`` key bytes).
+    ONE launch of the multi-segment mover over the page bytes: per slot the
+    index is read once, then the key segment (``head_dim`` bytes at
+    ``offset * head_dim``) and the scale segment (``4 nb`` bytes after the
+    page's ``page_size * head_dim`` key bytes) are moved, each with its own
+    word size (8-byte words for 128 key bytes, one 4-byte word per scale).
     """
+    from . import segments
+
     n = slots.shape[0]
     nb = (head_dim + 127) // 128
     key_bytes = torch.empty((n, head_dim), dtype=torch.uint8, device=pages.device)
     scales = torch.empty((n, nb), dtype=torch.float32, device=pages.device)
     if n == 0:
         return key_bytes, scales
-    stride = pages.stride(0)
+    if pages.shape[0] == 0:  # no page to read: every slot must be -1 (zero rows)
+        return key_bytes.zero_(), scales.zero_()
+    stride = pages.stride(0) if pages.shape[0] > 1 else pages.shape[1]
     keys_at = Layout(stride, page=page_size, tok_stride=head_dim)
     scales_at = Layout(stride, page=page_size, tok_stride=4 * nb, base=page_size * head_dim)
-    move_rows(pages, key_bytes, slots, n, head_dim, keys_at, Layout(head_dim), gather=True)
-    move_rows(pages, scales.view(torch.uint8), slots, n, 4 * nb, scales_at, Layout(4 * nb), gather=True)
+    scale_bytes = scales.view(torch.uint8)
+    if not segments.fits(head_dim, 4 * nb):
+        move_rows(pages, key_bytes, slots, n, head_dim, keys_at, Layout(head_dim), gather=True)
+        move_rows(pages, scale_bytes, slots, n, 4 * nb, scales_at, Layout(4 * nb), gather=True)
+        return key_bytes, scales
+    segs = [
+        segments.Segment(pages, key_bytes, keys_at, head_dim, head_dim),
+        segments.Segment(pages, scale_bytes, scales_at, 4 * nb, 4 * nb),
+    ]
+    segments.move_segments(segs, slots, n, segments.GATHER)
     return key_bytes, scales

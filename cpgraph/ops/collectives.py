@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_index_range, check_same_device, check_tensor
+from .providers import select
 
 _funcol = torch.ops._c10d_functional
 
@@ -143,7 +144,8 @@ def cp_rerange(rows: Tensor, rerange_index: Tensor, group_name: str, world_size:
     """
     _check_rerange(rows, rerange_index, group_name, world_size)
     resolve_group("cp_rerange", group_name, world_size)
-    return cp_rerange_decomposed(rows, rerange_index, group_name, world_size)
+    impl = select("cp_rerange", rows.device.type, cp_rerange_decomposed)
+    return impl(rows, rerange_index, group_name, world_size)
 
 
 @cp_rerange.register_fake

@@ -7,12 +7,19 @@ builds it with ONE collective per call, whatever the number of payload kinds
 
 1. pack: every payload (cached-prefix rows this rank owns, then this
    forward's fresh compute rows) is viewed as bytes and laid side by side
-   into one ``uint8 [P + M, S]`` buffer (``S`` = sum of the kinds' row bytes);
+   into one ``uint8 [P + M, S]`` buffer (each kind at an 8-byte aligned
+   column, ``S`` = the kinds' row bytes rounded up to 8 each; zero padding);
 2. one functional ``all_gather_into_tensor`` -> ``[world * (P + M), S]``;
 3. place: each kind's byte columns are gathered into ``[kv_rows, bytes_k]``
    with ``cpgraph::take_rows`` through the planner's ``kv_source`` (the
    gathered row of every full-view row, built on the host once per batch)
    and viewed back as the kind's dtype.
+
+The eager op body takes pack and placement from the device's providers
+(``cp_materialize_kv_pack`` / ``cp_materialize_kv_place``: on CUDA the
+Triton pack and the one-launch multi-kind placement of
+:mod:`cpgraph.kernels.materialize`); ``cp_materialize_kv_decomposed`` keeps
+the torch/``take_rows`` form for the lowering pass.  Both give the same bytes.
 
 Why one collective: collective launch latency and synchronisation dominate
 for the small per-layer payloads of short batches, and every rank must issue
@@ -33,6 +40,7 @@ from torch import Tensor
 
 from .checks import check_index_range, check_same_device, check_tensor
 from .collectives import all_gather_dim0, check_group_args, resolve_group
+from .providers import select
 
 _OP = "cp_materialize_kv"
 
@@ -115,6 +123,67 @@ def _kv_compose_fake(prefix_rows, current_rows, kv_source):
 
 
 # ----------------------------------------------------------- cp_materialize_kv
+PACK_ALIGN = 8
+
+
+def packed_columns(current_rows: list[Tensor]) -> tuple[list[int], int]:
+    """Byte column of every kind in a packed row, and the packed row's bytes.
+
+    Each kind starts at a multiple of ``PACK_ALIGN`` bytes and the row is
+    padded to one (656 + 128 + 4 -> columns 0, 656, 784, row 792 instead of
+    788): 0.5% more bytes on the wire buys 8-byte aligned rows, so the
+    placement kernel moves the large kinds as 8-byte words instead of 4.
+    The padding is zeros (deterministic bytes on the wire).  Shape
+    arithmetic only: both ranks compute the same layout without talking.
+    """
+    columns = []
+    col = 0
+    for c in current_rows:
+        columns.append(col)
+        col += -(-(c.shape[1] * c.element_size()) // PACK_ALIGN) * PACK_ALIGN
+    return columns, col
+
+
+def pack_reference(prefix_rows: list[Tensor], current_rows: list[Tensor], columns: list[int], row_bytes: int) -> Tensor:
+    """``uint8 [P + M, row_bytes]``: this rank's block, prefix rows then current rows, kinds side by side."""
+    ends = list(columns[1:]) + [row_bytes]
+    parts = []
+    for p, c, col, end in zip(prefix_rows, current_rows, columns, ends):
+        kind = torch.cat([_as_bytes(p), _as_bytes(c)], dim=0)
+        parts.append(kind)
+        pad = end - col - kind.shape[1]
+        if pad:
+            parts.append(kind.new_zeros((kind.shape[0], pad)))
+    return torch.cat(parts, dim=1)
+
+
+def place_reference(gathered: Tensor, kv_source: Tensor, columns: list[int], current_rows: list[Tensor]) -> list[Tensor]:
+    """Every kind's full view: ``take_rows`` on its byte columns of the gathered rows, viewed as its dtype."""
+    views = []
+    for c, col in zip(current_rows, columns):
+        width = c.shape[1] * c.element_size()
+        if width == 0:  # an empty kind: no bytes to place (and no byte view to reinterpret)
+            views.append(c.new_empty((kv_source.shape[0], 0)))
+            continue
+        placed = torch.ops.cpgraph.take_rows(gathered[:, col : col + width], kv_source)
+        views.append(placed.contiguous().view(c.dtype))
+    return views
+
+
+def _materialize(prefix_rows, current_rows, kv_source, group_name, world_size, pack, place) -> list[Tensor]:
+    """pack -> ONE functional all-gather -> place (``pack``/``place`` bit-identical across providers)."""
+    _check_compose(_OP, prefix_rows, current_rows, kv_source)
+    check_group_args(_OP, group_name, world_size)
+    block = prefix_rows[0].shape[0] + current_rows[0].shape[0]
+    # Checked (under CPGRAPH_DEBUG) before communicating, so a bad descriptor
+    # raises on every rank instead of leaving peers inside a collective.
+    check_index_range(_OP, "kv_source", kv_source, -1, world_size * block)
+    columns, row_bytes = packed_columns(current_rows)
+    send = pack(prefix_rows, current_rows, columns, row_bytes)  # [P + M, row_bytes]
+    gathered = all_gather_dim0(send, group_name, world_size)  # [world * (P + M), row_bytes]
+    return place(gathered, kv_source, columns, current_rows)
+
+
 def cp_materialize_kv_decomposed(
     prefix_rows: list[Tensor],
     current_rows: list[Tensor],
@@ -122,26 +191,12 @@ def cp_materialize_kv_decomposed(
     group_name: str,
     world_size: int,
 ) -> list[Tensor]:
-    """Same result as ``cpgraph::cp_materialize_kv`` from one functional all-gather + ``take_rows``."""
-    _check_compose(_OP, prefix_rows, current_rows, kv_source)
-    check_group_args(_OP, group_name, world_size)
-    block = prefix_rows[0].shape[0] + current_rows[0].shape[0]
-    # Checked (under CPGRAPH_DEBUG) before communicating, so a bad descriptor
-    # raises on every rank instead of leaving peers inside a collective.
-    check_index_range(_OP, "kv_source", kv_source, -1, world_size * block)
-    # Pack: this rank's block is [P prefix rows ; M current rows], all kinds side by side.
-    prefix_bytes = torch.cat([_as_bytes(t) for t in prefix_rows], dim=1)
-    current_bytes = torch.cat([_as_bytes(t) for t in current_rows], dim=1)
-    send = torch.cat([prefix_bytes, current_bytes], dim=0)
-    gathered = all_gather_dim0(send, group_name, world_size)  # [world * (P + M), S]
-    views = []
-    col = 0
-    for c in current_rows:
-        width = c.shape[1] * c.element_size()
-        placed = torch.ops.cpgraph.take_rows(gathered[:, col : col + width], kv_source)
-        views.append(placed.contiguous().view(c.dtype))
-        col += width
-    return views
+    """Same result as ``cpgraph::cp_materialize_kv`` from one functional all-gather + ``take_rows``.
+
+    Torch ops, the functional collective and ``cpgraph::take_rows`` only, so
+    a lowering pass can hand it to Inductor (which then sees the collective).
+    """
+    return _materialize(prefix_rows, current_rows, kv_source, group_name, world_size, pack_reference, place_reference)
 
 
 @torch.library.custom_op("cpgraph::cp_materialize_kv", mutates_args=())
@@ -169,7 +224,13 @@ def cp_materialize_kv(
     _check_compose(_OP, prefix_rows, current_rows, kv_source)
     check_group_args(_OP, group_name, world_size)
     resolve_group(_OP, group_name, world_size)
-    return cp_materialize_kv_decomposed(prefix_rows, current_rows, kv_source, group_name, world_size)
+    # Eager body: pack and placement come from the device's providers (the
+    # Triton pack / multi-kind placement on CUDA), logged once; the torch
+    # references otherwise.  Same packed layout and bytes either way.
+    device = current_rows[0].device.type
+    pack = select("cp_materialize_kv_pack", device, pack_reference)
+    place = select("cp_materialize_kv_place", device, place_reference)
+    return _materialize(prefix_rows, current_rows, kv_source, group_name, world_size, pack, place)
 
 
 @cp_materialize_kv.register_fake

@@ -144,6 +144,28 @@ def test_materialize_placement(tokens):
         col += w
 
 
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_materialize_pack_and_multi_kind_placement(tokens):
+    """Triton pack (prefix + current rows) and the one-launch placement of every kind, 792-B packed rows."""
+    from cpgraph.kernels import materialize as kmat
+    from cpgraph.ops import materialize as omat
+
+    g = _gen(14)
+    cur = [
+        torch.randint(0, 256, (tokens, 656), device=DEV, generator=g).to(torch.uint8),
+        torch.randint(0, 256, (tokens, 128), device=DEV, generator=g).to(torch.uint8),
+        torch.rand(tokens, 1, device=DEV, generator=g),
+    ]
+    pre = [c[:512] for c in cur]
+    columns, packed = omat.packed_columns(cur)
+    send = kmat.pack_rows(pre, cur, columns, packed)
+    assert same_bytes(send, omat.pack_reference(pre, cur, columns, packed))
+    gathered = torch.cat([send, send.flip(0)])
+    source = _index(tokens, gathered.shape[0], seed=15)
+    for a, b in zip(kmat.place_rows(gathered, source, columns, cur), omat.place_reference(gathered, source, columns, cur)):
+        assert same_bytes(a, b)
+
+
 def test_launches_replay_in_cuda_graph():
     """No host syncs: the providers capture into a CUDA graph and replay on new data."""
     x = torch.randn(4096, HIDDEN, device=DEV).to(torch.bfloat16)
@@ -159,6 +181,7 @@ def test_launches_replay_in_cuda_graph():
         outs["restore"] = move.restore_compute_static(outs["compact"], kind)
         outs["rec"] = kcodecs.mla_fp8_pack(latent, k_pe)
         outs["keys"] = kcodecs.index_k_page_pack(latent[:, :128], PAGE)
+        outs["gathered_keys"] = move.index_k_gather(outs["keys"], idx[:1024], PAGE, 128)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -179,3 +202,5 @@ def test_launches_replay_in_cuda_graph():
     assert same_bytes(outs["restore"], rows.restore_compute_static_reference(ry, kind))
     assert same_bytes(outs["rec"], codecs.mla_fp8_pack_reference(latent, k_pe))
     assert same_bytes(outs["keys"], codecs.index_k_page_pack_reference(latent[:, :128], PAGE))
+    for a, b in zip(outs["gathered_keys"], paged.index_k_gather_reference(outs["keys"], idx[:1024], PAGE, 128)):
+        assert same_bytes(a, b)
