@@ -28,6 +28,8 @@ def _check_take_rows(x: Tensor, index: Tensor) -> None:
 
 
 def take_rows_reference(x: Tensor, index: Tensor) -> Tensor:
+    if x.shape[0] == 0:  # nothing to read: every index is -1 by contract
+        return x.new_zeros((index.shape[0], *x.shape[1:]))
     valid = index >= 0
     rows = x.index_select(0, index.clamp(min=0).to(torch.int64))
     mask = valid.view(-1, *([1] * (x.dim() - 1)))
