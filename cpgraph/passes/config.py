@@ -20,12 +20,19 @@ class CPConfig:
     ``None`` for single-device (cp_size 1) compiles.  Passes see only the
     resolved ``group_name`` string and ``cp_size`` int, so fake rules and
     tracing never touch a process group.
+
+    ``index_topk_pattern`` (``"FSFS..."``, one char per layer) applies
+    IndexCache at compile time: layers marked ``S`` reuse the previous
+    full layer's top-k and lose their indexer compute and index-K stores.
+    ``moe_modules`` names the module classes whose region the MoE pass
+    compacts (valid rows only before the router).
     """
 
     group: object = None
     cp_size: int = 1
     disabled_passes: tuple[str, ...] = ()
-    full_hidden_states: bool = False
+    index_topk_pattern: str | None = None
+    moe_modules: tuple[str, ...] = ("MoE",)
     group_name: str = field(default="", init=False)
 
     def __post_init__(self):
@@ -41,7 +48,16 @@ class CPConfig:
         if self.cp_size > 1 and not name:
             raise ValueError("CPConfig: cp_size > 1 needs a process group (or its name)")
         object.__setattr__(self, "group_name", name)
+        # Keep only the name: Inductor deep-copies and pickles its config (this
+        # object rides in it), and a ProcessGroup can be neither.
+        object.__setattr__(self, "group", name or None)
+        pattern = self.index_topk_pattern
+        if pattern is not None and (not pattern or set(pattern) - {"F", "S"} or pattern[0] != "F"):
+            raise ValueError(
+                f"CPConfig: index_topk_pattern must be a string of 'F'/'S' starting with 'F', got {pattern!r}"
+            )
         object.__setattr__(self, "disabled_passes", tuple(sorted(set(self.disabled_passes))))
+        object.__setattr__(self, "moe_modules", tuple(self.moe_modules))
 
     def cache_key(self) -> dict:
         """The fields that change generated code (for ``uuid()``); no rank, no group object."""

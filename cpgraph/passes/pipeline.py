@@ -1,17 +1,28 @@
 """The default pass pipeline, in order.
 
-Optimising (CP rewrite) passes first, then cleanup, then lowering/lint.
-Kept as data so a user can see, reorder or disable passes by name.
+Rewrite passes (what CP needs), then lowering (expose collectives to
+Inductor), then cleanup, then lint.  Kept as data so a user can see,
+reorder or disable passes by name (``CPConfig.disabled_passes``).
 """
 
 from __future__ import annotations
 
 from .cleanup import eliminate_dead_code, sort_topologically
+from .compact_moe import compact_moe_rows
+from .gather_outputs import gather_output_rows
+from .index_cache import reuse_shared_topk
 from .lint import reject_host_syncs
+from .lower_collectives import lower_cp_collectives
+from .shard_kv import materialize_kv_by_owner
 
 
 def default_passes():
     return [
+        ("reuse_shared_topk", reuse_shared_topk),
+        ("materialize_kv_by_owner", materialize_kv_by_owner),
+        ("compact_moe_rows", compact_moe_rows),
+        ("gather_output_rows", gather_output_rows),
+        ("lower_cp_collectives", lower_cp_collectives),
         ("eliminate_dead_code", eliminate_dead_code),
         ("sort_topologically", sort_topologically),
         ("reject_host_syncs", reject_host_syncs),

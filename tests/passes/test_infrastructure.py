@@ -116,7 +116,8 @@ def test_uuid_stable_and_sensitive():
     assert base.uuid() == build_pass_manager(CPConfig()).uuid()
     assert base.uuid() != build_pass_manager(CPConfig(group="g", cp_size=2)).uuid()
     assert base.uuid() != build_pass_manager(CPConfig(disabled_passes=("sort_topologically",))).uuid()
-    assert base.uuid() != build_pass_manager(CPConfig(full_hidden_states=True)).uuid()
+    assert base.uuid() != build_pass_manager(CPConfig(index_topk_pattern="FS")).uuid()
+    assert base.uuid() != build_pass_manager(CPConfig(moe_modules=("MoE", "SparseMoeBlock"))).uuid()
     # The group's identity does not change code: same size, other name -> same uuid.
     assert build_pass_manager(CPConfig(group="a", cp_size=2)).uuid() == build_pass_manager(CPConfig(group="b", cp_size=2)).uuid()
 
@@ -198,3 +199,7 @@ def test_cpconfig_validation():
         CPConfig(cp_size=2)
     with pytest.raises(ValueError, match="group must be"):
         CPConfig(group=3, cp_size=2)
+    with pytest.raises(ValueError, match="index_topk_pattern"):
+        CPConfig(index_topk_pattern="SF")
+    with pytest.raises(ValueError, match="index_topk_pattern"):
+        CPConfig(index_topk_pattern="FX")

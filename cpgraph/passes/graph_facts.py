@@ -1,0 +1,119 @@
+"""Facts the rewrite passes read off a post-grad graph.
+
+Each helper answers one question from the graph alone (never from
+rank-local state), so every rank reaches the same decisions.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .fx_utils import find_nodes, is_op, op_name, op_of
+
+# Indexer ops and where their (ks, ke) window arguments sit.
+_WINDOW_ARGS = {
+    "cpgraph.indexer_topk": (3, 4),
+    "cpgraph.indexer_logits": (3, 4),
+    "cpgraph.indexer_logits_fp8": (4, 5),
+    "cpgraph.topk_ragged": (1, 2),
+    "cpgraph.topk_paged": (1, 2),
+}
+
+
+class PassMatchError(RuntimeError):
+    """The graph does not have the structure a pass relies on; the pass refuses to guess."""
+
+
+def order_of(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def row_windows(graph: fx.Graph) -> tuple[fx.Node, fx.Node] | None:
+    """The ``(ks, ke)`` row-window inputs every indexer op reads, or ``None`` without an indexer.
+
+    By the planner's contract (docs/contracts.md) a row is real exactly when
+    its window is non-empty (``ke > ks``); dummy rows have ``ks == ke``.
+    """
+    found = set()
+    for node in graph.nodes:
+        op = op_of(node)
+        if op is None:
+            continue
+        pos = _WINDOW_ARGS.get(op_name(op))
+        if pos is not None:
+            found.add((node.args[pos[0]], node.args[pos[1]]))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise PassMatchError(f"indexer ops read {len(found)} different (ks, ke) window pairs; expected one per batch")
+    return found.pop()
+
+
+def first_user_of_kind(node: fx.Node, names: tuple[str, ...], order: dict[fx.Node, int]) -> fx.Node | None:
+    """The earliest (graph order) node among ``node``'s transitive users that runs one of ``names``."""
+    best = None
+    seen = {node}
+    queue = deque(node.users)
+    while queue:
+        n = queue.popleft()
+        if n in seen:
+            continue
+        seen.add(n)
+        if is_op(n, *names):
+            if best is None or order[n] < order[best]:
+                best = n
+            continue  # do not look past a match
+        queue.extend(n.users)
+    return best
+
+
+def list_outputs(node: fx.Node) -> dict[int, fx.Node]:
+    """``getitem(node, k)`` users of a node that returns a list/tuple, by ``k``."""
+    out = {}
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem:
+            out[user.args[1]] = user
+        else:
+            raise PassMatchError(f"node {node.name}'s list output is used by {user.name} without getitem")
+    return out
+
+
+def same_size(a, b) -> bool:
+    """Sizes known equal at compile time (ints or symbols)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def module_regions(graph: fx.Graph, class_names: tuple[str, ...]) -> dict[str, list[fx.Node]]:
+    """Nodes grouped by the innermost enclosing module whose class is in ``class_names``.
+
+    Uses the ``nn_module_stack`` that Dynamo records and AOT keeps, so the
+    region is "everything the model's MoE module computed", whatever ops
+    that module is made of.
+    """
+    regions: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        key = None
+        for path, cls in stack.values():
+            cls_name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+            if cls_name.rsplit(".", 1)[-1] in class_names:
+                key = path  # keep the innermost match
+        if key is not None and node.op == "call_function":
+            regions.setdefault(key, []).append(node)
+    return regions
+
+
+def tensor_val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def nodes_running(graph: fx.Graph, *names: str) -> list[fx.Node]:
+    return find_nodes(graph, *names)
