@@ -107,6 +107,20 @@ def module_regions(graph: fx.Graph, class_names: tuple[str, ...]) -> dict[str, l
                 key = path  # keep the innermost match
         if key is not None and node.op == "call_function":
             regions.setdefault(key, []).append(node)
+    # Nodes made by decompositions may carry no module stack; a node without one
+    # that reads the region and is used only inside it belongs to the region.
+    for key, nodes in regions.items():
+        inside = set(nodes)
+        changed = True
+        while changed:
+            changed = False
+            for node in graph.nodes:
+                if node in inside or node.op != "call_function" or node.meta.get("nn_module_stack"):
+                    continue
+                if node.users and all(u in inside for u in node.users) and any(a in inside for a in node.all_input_nodes):
+                    inside.add(node)
+                    changed = True
+        regions[key] = [n for n in graph.nodes if n in inside]
     return regions
 
 

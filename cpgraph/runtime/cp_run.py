@@ -74,7 +74,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
             model = model.to(f"cuda:{rank}")
         model.eval()
         model.kv_layout = make_layout(model, spec.kv_format, spec.page_size)
-        compiled = compile(model, CPConfig(group=dist.group.WORLD, cp_size=spec.cp), backend=spec.backend)
+        compiled = compile(model, CPConfig(group=dist.group.WORLD, cp_size=spec.cp), backend=spec.backend, dynamic=True)
 
         def forward(ids, meta, mla, index, **kw):
             return compiled(ids, meta, mla, index, **kw)

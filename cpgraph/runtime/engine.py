@@ -40,6 +40,7 @@ class EngineResult:
     pages_owned: int  # pages this rank holds
     total_pages: int  # pages of the whole batch (what a replicated cache would hold on every rank)
     bytes_per_page: int
+    pool_bytes: int = 0  # bytes this rank's pool allocated (== kv_bytes: the pool holds only owned pages)
     topk: list[Tensor] | None = None
     meta: object | None = None  # extend pass BatchMeta
 
@@ -157,6 +158,7 @@ def run_prefill(
         pages_owned=owned,
         total_pages=total_pages,
         bytes_per_page=pool.bytes_per_page(),
+        pool_bytes=pool.total_bytes(),
         topk=out.topk,
         meta=meta if return_topk else None,
     )
