@@ -1,8 +1,11 @@
 """``cpgraph.compile``: the one public entry point of the compiler.
 
 All compile flags are visible here.  ``backend="inductor"`` installs the pass
-manager as Inductor's ``post_grad_custom_post_pass`` (absorbing whatever pass
-a user already put in that slot); ``backend="aot_eager"`` runs the same
+manager as Inductor's ``post_grad_custom_pre_pass`` (absorbing whatever pass
+a user already put in that slot).  The *pre* slot of the post-grad passes is
+chosen on purpose: there the graph is exactly the functionalised AOT graph
+the ``aot_eager`` path sees (both backends rewrite the same graph), and
+Inductor's own pattern passes and fusion then run on the CP graph; ``backend="aot_eager"`` runs the same
 passes on the same functionalised AOT graph and then executes it eagerly,
 which is what tests use when Inductor's code generation is not under test.
 """
@@ -61,8 +64,8 @@ def compile(
     whose ``history`` holds op counts before and after each pass.
     """
     if backend == "inductor":
-        manager = build_pass_manager(cp, passes, absorbed=inductor_config.post_grad_custom_post_pass)
-        options = {"post_grad_custom_post_pass": manager}
+        manager = build_pass_manager(cp, passes, absorbed=inductor_config.post_grad_custom_pre_pass)
+        options = {"post_grad_custom_pre_pass": manager}
         if mode == "reduce-overhead":
             options["triton.cudagraphs"] = True
         elif mode not in (None, "default"):

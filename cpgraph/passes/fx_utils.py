@@ -7,6 +7,7 @@ Inductor lowering.  See ``docs/passes.md`` for the invariants.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from typing import Any, Iterable
 
@@ -52,7 +53,7 @@ def op_counts(graph: fx.Graph, prefix: str | None = None) -> Counter:
     c: Counter = Counter()
     for n in graph.nodes:
         op = op_of(n)
-        if op is None:
+        if op is None or op is operator.getitem:  # tuple unpacking is bookkeeping, not an op
             continue
         name = op_name(op)
         if prefix is None or name.startswith(prefix):

@@ -107,20 +107,23 @@ def module_regions(graph: fx.Graph, class_names: tuple[str, ...]) -> dict[str, l
                 key = path  # keep the innermost match
         if key is not None and node.op == "call_function":
             regions.setdefault(key, []).append(node)
-    # Nodes made by decompositions may carry no module stack; a node without one
-    # that reads the region and is used only inside it belongs to the region.
+    # Nodes made by decompositions and pattern rewrites may carry no module stack
+    # (constants, dtype casts of weights, rewritten index math).  A node without
+    # one whose every user is inside the region exists only for the region, so it
+    # belongs to it; walking backwards catches chains of such nodes.
+    order = list(graph.nodes)
     for key, nodes in regions.items():
         inside = set(nodes)
         changed = True
         while changed:
             changed = False
-            for node in graph.nodes:
+            for node in reversed(order):
                 if node in inside or node.op != "call_function" or node.meta.get("nn_module_stack"):
                     continue
-                if node.users and all(u in inside for u in node.users) and any(a in inside for a in node.all_input_nodes):
+                if node.users and all(u in inside for u in node.users):
                     inside.add(node)
                     changed = True
-        regions[key] = [n for n in graph.nodes if n in inside]
+        regions[key] = [n for n in order if n in inside]
     return regions
 
 

@@ -36,27 +36,24 @@ _TOPK = ("cpgraph.indexer_topk", "cpgraph.topk_ragged", "cpgraph.topk_paged")
 _INDEX_STORES = ("cpgraph.paged_store", "cpgraph.index_k_store")
 
 
-def _ancestors_until(node: fx.Node, stop: set) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen or n in stop:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
+def _index_compose(topk: fx.Node) -> fx.Node:
+    """The ``kv_compose`` that built the keys this top-k ranked (through the logits op if separate)."""
+    scorer = topk.args[0] if is_op(topk, "cpgraph.topk_ragged", "cpgraph.topk_paged") else topk
+    if not is_op(scorer, "cpgraph.indexer_topk", "cpgraph.indexer_logits", "cpgraph.indexer_logits_fp8"):
+        raise PassMatchError(f"top-k {topk.name} is not fed by an indexer scoring op")
+    keys = scorer.args[1]
+    if keys.target is operator.getitem and is_op(keys.args[0], "cpgraph.kv_compose", "cpgraph.cp_materialize_kv"):
+        return keys.args[0]
+    raise PassMatchError(f"the keys of {scorer.name} do not come from a kv_compose")
 
 
 def _key_sources(topk: fx.Node) -> set:
-    """The fresh index keys behind a top-k: current rows of the index ``kv_compose``, unwrapped."""
+    """The fresh index keys behind a top-k: current rows of its index ``kv_compose``, unwrapped."""
     keys = set()
-    for n in _ancestors_until(topk, set()):
-        if is_op(n, "cpgraph.kv_compose", "cpgraph.cp_materialize_kv"):
-            for cur in n.args[1]:
-                keys.add(cur)
-                if cur.target is operator.getitem and is_op(cur.args[0], "cpgraph.index_k_quant"):
-                    keys.add(cur.args[0].args[0])
-            break
+    for cur in _index_compose(topk).args[1]:
+        keys.add(cur)
+        if cur.target is operator.getitem and is_op(cur.args[0], "cpgraph.index_k_quant"):
+            keys.add(cur.args[0].args[0])
     return keys
 
 

@@ -166,7 +166,7 @@ def test_inductor_backend_runs_passes_and_absorbs_user_pass(monkeypatch):
         def uuid(self):
             return "user"
 
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", UserPass())
+    monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", UserPass())
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
     torch._dynamo.reset()
     fn = compile(lambda x, i: ops.take_rows(x, i).sin(), backend="inductor")

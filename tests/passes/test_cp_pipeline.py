@@ -1,0 +1,232 @@
+"""The CP pass pipeline on a real model graph: snapshots, op counts per pass, IndexCache, recompiles.
+
+The model is a 2-layer GLM-5-style tiny model: layer 0 dense MLP with a full
+indexer, layer 1 MoE with a shared (IndexCache) indexer.  CP graphs are
+compiled in this process against a fake process group (tracing and compiling
+need no peers); numerics over real gloo ranks are in ``test_cp_numerics.py``.
+FX/AOT caches are off so every compile really runs the passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import expecttest
+import pytest
+import torch
+
+from cpgraph.models import DSAConfig, build_model, init_random, tiny_model
+from cpgraph.models.config import bundled_config_dict
+from cpgraph.models.prefill import make_layout
+from cpgraph.passes import CPConfig, compile
+from cpgraph.passes.fx_utils import normalized_graph, op_counts
+from cpgraph.passes.pipeline import default_passes
+from cpgraph.runtime.engine import run_prefill
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_utils import fake_group  # noqa: E402
+
+PAGE = 16
+PROMPTS = [list(range(3, 40)), list(range(7, 12)), list(range(100, 133))]
+PREFIX = [16, 0, 32]
+
+
+@pytest.fixture(autouse=True)
+def _no_caches(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def two_layer_model():
+    d = dict(bundled_config_dict("tiny-glm5"), num_hidden_layers=2)
+    model = init_random(build_model(DSAConfig.from_hf_dict(d)), seed=0, std=0.1).eval()
+    cfg = model.config
+    assert cfg.mlp_layer_types == ("dense", "sparse") and cfg.indexer_types == ("full", "shared")
+    model.kv_layout = make_layout(model, "bf16", PAGE)
+    return model
+
+
+def run_compiled(model, cfg: CPConfig, rank: int = 0, prompts=PROMPTS, prefix=PREFIX):
+    """Compile with the default pipeline + a capture pass; run one batch (prefix + extend pass)."""
+    graphs = []
+
+    def capture(gm, c):
+        graphs.append(copy.deepcopy(gm.graph))
+        return gm
+
+    compiled = compile(model, cfg, backend="aot_eager", passes=default_passes() + [("capture", capture)])
+
+    def forward(ids, meta, mla, index, **kw):
+        return compiled(ids, meta, mla, index, **kw)
+
+    res = run_prefill(forward, model, prompts, prefix_lens=prefix, page_size=PAGE, rank=rank, cp_size=cfg.cp_size)
+    return res, graphs, compiled.cpgraph_passes
+
+
+def pass_delta(manager, name):
+    for n, before, after in manager.history:
+        if n == name:
+            keys = set(before) | set(after)
+            return {k: after[k] - before[k] for k in sorted(keys) if after[k] != before[k]}
+    raise KeyError(name)
+
+
+class TestCPPipeline(expecttest.TestCase):
+    def test_cp2_graph_snapshot_and_counts(self):
+        model = two_layer_model()
+        with fake_group(world_size=2, rank=0) as gn:
+            _, graphs, manager = run_compiled(model, CPConfig(group=gn, cp_size=2))
+        final = graphs[-1]  # the extend pass (with a cached prefix)
+        keep = ("cpgraph.", "_c10d_functional.")
+        self.assertExpectedInline(
+            normalized_graph(final, keep=keep),
+            """\
+v0 = cpgraph.mla_dense_pack(_, _)
+v1 = cpgraph.paged_store(rows=v0, slots=_)
+v2 = cpgraph.paged_gather(_, in17)
+v3 = cpgraph.paged_store(rows=_, slots=_)
+v4 = cpgraph.paged_gather(_, in17)
+v5 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v6 = _c10d_functional.wait_tensor(v5)
+v7 = cpgraph.take_rows(_, in19)
+v8 = cpgraph.take_rows(_, in19)
+v9 = cpgraph.indexer_topk(_, _, _, in27, in29, 16, 67108864)
+v10 = cpgraph.sparse_mla(_, _, v9, 0.176777, 32)
+v11 = cpgraph.mla_dense_pack(_, _)
+v12 = cpgraph.paged_store(rows=v11, slots=_)
+v13 = cpgraph.paged_gather(_, in17)
+v14 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v15 = _c10d_functional.wait_tensor(v14)
+v16 = cpgraph.take_rows(_, in19)
+v17 = cpgraph.sparse_mla(_, _, v9, 0.176777, 32)
+v18 = cpgraph.compact_valid_static(_, _)
+v19 = cpgraph.restore_compute_static(_, _)
+v20 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v21 = _c10d_functional.wait_tensor(v20)""",
+        )
+        # Counts per pass (the last compile, i.e. the extend-pass graph).  Every rewrite
+        # pass must have matched something: an empty delta fails here.
+        n = len(manager.history) // len(default_passes() + [("capture", None)])
+        hist = manager.history[-len(default_passes()) - 1 :]
+        manager.history = hist
+        self.assertEqual(
+            pass_delta(manager, "materialize_kv_by_owner"),
+            {"aten.gt": 1, "aten.where": 1, "cpgraph.cp_materialize_kv": 2, "cpgraph.kv_compose": -3},
+        )
+        self.assertEqual(
+            pass_delta(manager, "compact_moe_rows"),
+            {"aten.le": 1, "cpgraph.compact_valid_static": 1, "cpgraph.restore_compute_static": 1,
+             "prims.convert_element_type": 1},
+        )
+        self.assertEqual(pass_delta(manager, "gather_output_rows"), {"cpgraph.cp_last_tokens": 1, "cpgraph.take_rows": -1})
+        lowered = pass_delta(manager, "lower_cp_collectives")
+        self.assertEqual(lowered["cpgraph.cp_materialize_kv"], -2)
+        self.assertEqual(lowered["cpgraph.cp_last_tokens"], -1)
+        self.assertEqual(lowered["_c10d_functional.all_gather_into_tensor"], 3)  # one per layer + the logits rows
+        self.assertEqual(lowered["_c10d_functional.wait_tensor"], 3)
+        counts = op_counts(final)
+        self.assertEqual(counts["cpgraph.paged_store"], 3)  # MLA x2 + index x1: stores stay, guarded
+        self.assertEqual(counts["cpgraph.indexer_topk"], 1)  # the shared layer has no indexer
+        self.assertEqual(sum(v for k, v in counts.items() if k.startswith("cpgraph.cp_")), 0)
+        self.assertGreater(n, 0)
+
+    def test_single_device_pipeline_only_guards_and_compacts(self):
+        model = two_layer_model()
+        _, graphs, manager = run_compiled(model, CPConfig())
+        manager.history = manager.history[-len(default_passes()) - 1 :]
+        self.assertEqual(pass_delta(manager, "gather_output_rows"), {})
+        self.assertEqual(pass_delta(manager, "materialize_kv_by_owner"), {"aten.gt": 1, "aten.where": 1})
+        self.assertEqual(pass_delta(manager, "compact_moe_rows")["cpgraph.compact_valid_static"], 1)
+        self.assertExpectedInline(
+            normalized_graph(graphs[-1], keep=("cpgraph.",)),
+            """\
+v0 = cpgraph.mla_dense_pack(_, _)
+v1 = cpgraph.paged_store(rows=v0, slots=_)
+v2 = cpgraph.paged_gather(_, in17)
+v3 = cpgraph.kv_compose([v2], [v0], in19)
+v4 = cpgraph.paged_store(rows=_, slots=_)
+v5 = cpgraph.paged_gather(_, in17)
+v6 = cpgraph.kv_compose([v5], [cat_2], in19)
+v7 = cpgraph.indexer_topk(_, _, _, in27, in29, 16, 67108864)
+v8 = cpgraph.sparse_mla(_, _, v7, 0.176777, 32)
+v9 = cpgraph.mla_dense_pack(_, _)
+v10 = cpgraph.paged_store(rows=v9, slots=_)
+v11 = cpgraph.paged_gather(_, in17)
+v12 = cpgraph.kv_compose([v11], [v9], in19)
+v13 = cpgraph.sparse_mla(_, _, v7, 0.176777, 32)
+v14 = cpgraph.compact_valid_static(_, _)
+v15 = cpgraph.restore_compute_static(_, _)
+v16 = cpgraph.take_rows(_, in53)""",
+        )
+
+
+def test_compiled_single_device_equals_eager():
+    model = two_layer_model()
+    res, _, _ = run_compiled(model, CPConfig())
+    ref = run_prefill(lambda *a, **k: model(*a, **k), model, PROMPTS, prefix_lens=PREFIX, page_size=PAGE)
+    assert torch.equal(res.logits, ref.logits)
+
+
+def test_index_cache_pass_removes_shared_indexers():
+    """DeepSeek-V3.2 (an indexer on every layer) compiled with IndexCache 'FSS'."""
+    model = tiny_model("tiny-deepseek-v32")
+    model.kv_layout = make_layout(model, "bf16", PAGE)
+    n = model.config.num_hidden_layers
+    assert model.config.indexer_types == ("full",) * n and n == 3
+    res, graphs, manager = run_compiled(model, CPConfig(index_topk_pattern="FSS"))
+    manager.history = manager.history[-len(default_passes()) - 1 :]
+    delta = pass_delta(manager, "reuse_shared_topk")
+    assert delta["cpgraph.indexer_topk"] == -2
+    assert delta["cpgraph.paged_store"] == -2  # the shared layers' index-K stores are gone
+    assert delta["cpgraph.kv_compose"] == -2
+    # Reference: the same weights with layers 1 and 2 reusing layer 0's top-k (what GLM-5 does natively).
+    shared = copy.deepcopy(model)
+    for i in (1, 2):
+        shared.model.layers[i].self_attn.indexer = None
+    ref = run_prefill(lambda *a, **k: shared(*a, **k), shared, PROMPTS, prefix_lens=PREFIX, page_size=PAGE)
+    assert torch.equal(res.logits, ref.logits)
+    full = run_prefill(lambda *a, **k: model(*a, **k), model, PROMPTS, prefix_lens=PREFIX, page_size=PAGE)
+    assert not torch.equal(res.logits, full.logits)  # the pattern really changed what layers 1 and 2 attend to
+
+
+def test_index_cache_pattern_must_fit_the_model():
+    model = two_layer_model()  # layer 1 already shares: "FF" asks for an indexer it does not have
+    with pytest.raises(Exception, match="layer 1 is 'F'"):
+        run_compiled(model, CPConfig(index_topk_pattern="FF"))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="index_topk_pattern has 3 layers"):
+        run_compiled(model, CPConfig(index_topk_pattern="FSF"))
+
+
+def test_moe_pass_fails_when_regions_unexpected():
+    model = two_layer_model()
+    with pytest.raises(Exception, match="expected one computed input"):
+        run_compiled(model, CPConfig(moe_modules=("DecoderLayer",)))
+
+
+def test_no_recompiles_across_lengths_and_batch_compositions():
+    model = tiny_model("tiny-glm5")
+    model.kv_layout = make_layout(model, "bf16", PAGE)
+    compiled = compile(model, CPConfig(), backend="aot_eager", dynamic=True)
+
+    def forward(ids, meta, mla, index, **kw):
+        return compiled(ids, meta, mla, index, **kw)
+
+    def batch(lens, prefix, seed):
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
+        return run_prefill(forward, model, prompts, prefix_lens=prefix, page_size=PAGE).logits
+
+    # Warm-up: prefix and no-prefix passes, one and several requests.
+    batch([40, 9], [16, 0], 0)
+    batch([23], [0], 1)
+    batch([70, 5, 33], [32, 0, 16], 2)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for k, (lens, prefix) in enumerate([([50, 19], [32, 0]), ([12, 90, 7, 64], [0, 64, 0, 48]), ([131, 3], [112, 0])]):
+            out = batch(lens, prefix, 10 + k)
+            assert out.shape == (len(lens), 512)
