@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--profile", action="store_true", help="print where the eager forward spends its GPU time")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "cuda_graph_bench.json"))
     args = ap.parse_args()
     import cpgraph.ops  # noqa: F401
@@ -135,6 +136,14 @@ def main() -> None:
     print(f"{'mode':<10}{'ms':>10}{'x eager':>10}{'max |diff| vs eager':>22}  (logit scale {scale:.3g})")
     for k, r in rows.items():
         print(f"{k:<10}{r['ms']:>10.3f}{r['speedup_vs_eager']:>10.2f}{r['max_abs_diff_vs_eager']:>22.3e}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("eager_forward"):
+                eager()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": name, "args": vars(args), "rows": rows, "logit_scale": scale}, indent=2))
 
