@@ -33,6 +33,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .cleanup import sort_topologically
 from .config import CPConfig
 from .fx_utils import insert_call
 from .graph_facts import PassMatchError, module_regions, order_of, row_windows, tensor_val
@@ -93,6 +94,4 @@ def compact_moe_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
             restored = insert_call(graph, torch.ops.cpgraph.restore_compute_static.default, (y, row_kind))
         for u in outside_users:
             u.replace_input_with(y, restored)
-    from .cleanup import sort_topologically
-
     return sort_topologically(gm)

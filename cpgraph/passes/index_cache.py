@@ -28,6 +28,7 @@ import operator
 
 import torch.fx as fx
 
+from .cleanup import eliminate_dead_code
 from .config import CPConfig
 from .fx_utils import _AUTO_FUNC, find_nodes, is_op
 from .graph_facts import PassMatchError
@@ -100,6 +101,4 @@ def reuse_shared_topk(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
         for store in [s for s in stores if s.kwargs.get("rows", s.kwargs.get("keys")) in keys]:
             _drop_store(graph, store)
             stores.remove(store)
-    from .cleanup import eliminate_dead_code
-
     return eliminate_dead_code(gm)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .cleanup import sort_topologically
 from .config import CPConfig
 from .fx_utils import _AUTO_FUNC, find_nodes, insert_call
 from .graph_facts import PassMatchError, first_user_of_kind, list_outputs, order_of, row_windows
@@ -121,7 +122,5 @@ def materialize_kv_by_owner(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule
     if cfg.cp_size > 1:
         _merge_composes(gm, cfg)
     # Inserted nodes may precede users that the merge moved; restore a valid order.
-    from .cleanup import sort_topologically
-
     return sort_topologically(gm)
 
