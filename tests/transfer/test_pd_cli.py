@@ -1,0 +1,25 @@
+"""``cpgraph pd``: spawned prefill rank(s) + decode process, decode logits vs transformers 5.24."""
+
+import json
+
+import pytest
+
+pytest.importorskip("mooncake.engine")
+
+from cpgraph.cli import main  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["--cp", "1", "--chunk-tokens", "32"], ["--cp", "2", "--prefix-lens", "32,0,0,64"]])
+def test_pd(tmp_path, capsys, argv):
+    out = tmp_path / "pd.json"
+    assert main(["pd", *argv, "--quiet", "--json", str(out), "--timeout", "150"]) == 0
+    data = json.loads(out.read_text())
+    assert data["max_abs_diff"] <= 1e-4 and data["statuses"] == [4] * 8 and data["bytes_sent"] > 0
+    text = capsys.readouterr().out
+    assert "GB/s" in text and "hidden behind the forward" in text
+
+
+def test_pd_bad_input(capsys):
+    assert main(["pd", "--cp", "0", "--quiet"]) == 2
+    assert "--cp must be >= 1" in capsys.readouterr().err
