@@ -74,10 +74,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     prefix = args.prefix_lens if args.prefix_lens is not None else [0] * len(prompts)
     if len(prefix) != len(prompts):
         raise ValueError(f"--prefix-lens has {len(prefix)} entries for {len(prompts)} prompts")
+    if args.evict and not args.cache:
+        raise ValueError("--evict applies to --cache runs")
+    if args.cache:
+        if args.prefix_lens is not None:
+            raise ValueError("--cache takes cached prefixes from the radix cache; drop --prefix-lens")
+        if args.batch_size is not None:
+            raise ValueError("--batch-size is not supported with --cache (each pass is one batch)")
     if args.cp is not None:
         return _run_cp(args, prompts, prefix, progress)
     if args.device != "cpu" or args.backend is not None:
         raise ValueError("--device and --backend apply to CP runs; add --cp N")
+    if args.cache:
+        return _run_cache(args, model, prompts, progress)
     bs = args.batch_size or len(prompts)
     if bs < 1:
         raise ValueError(f"--batch-size must be >= 1, got {bs}")
@@ -119,6 +128,52 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_cache(hits, evicted, load_misses, second, first) -> bool:
+    """Print hits per level of both passes and the warm-vs-cold logits comparison; True if they match."""
+    import torch
+
+    for n, h in enumerate(hits, start=1):
+        print(f"pass {n}: L1 (device) hit {h['device']} token(s), L2 (host) hit {h['host']} token(s), "
+              f"computed {h['computed']} token(s)")
+    if evicted:
+        print(f"between passes: evicted {evicted} page(s) from L1 to L2; load-backs degraded to a miss: {load_misses}")
+    diff = (second - first).abs().max().item()
+    same = torch.equal(second, first)
+    ok = diff <= 1e-4 * max(first.abs().max().item(), 1e-30)
+    print(f"second pass vs first pass: max |diff| {diff:.3e}{' - bit-identical' if same else ''}"
+          f"{'' if ok else ' - MISMATCH'}")
+    return ok
+
+
+def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
+    """``cpgraph run --cache`` on one device: the prompts twice through the radix cache."""
+    from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, make_layout
+    from cpgraph.runtime.cache_engine import CacheEngine, default_capacity, run_twice
+
+    layout = make_layout(model, args.kv_format, DEFAULT_PAGE_SIZE)
+
+    def forward(ids, meta, mla, index, **kw):
+        return model(ids, meta, mla, index, layout, **kw)
+
+    pages = default_capacity(prompts, DEFAULT_PAGE_SIZE)
+    engine = CacheEngine(forward, model, num_pages=pages, kv_format=args.kv_format, page_size=DEFAULT_PAGE_SIZE,
+                         host_pages=pages if args.evict else 0, host_layout=args.cache_layout,
+                         write_policy=args.write_policy)
+    out = run_twice(engine, prompts, evict=args.evict, progress=progress)
+    top = out["first"].topk(min(args.top, out["first"].shape[1]), dim=-1).indices.tolist()
+    for i, (p, ids) in enumerate(zip(prompts, top)):
+        print(f"prompt {i}: {len(p)} tokens: top ids {ids}")
+    ok = _print_cache(out["hits"], out["evicted_pages"], out["load_misses"], out["second"], out["first"])
+    if args.json:
+        payload = {"logits": out["first"].tolist(), "second_pass_logits": out["second"].tolist(), "tokens": prompts,
+                   "top_ids": top, "model": str(args.model), "kv_format": args.kv_format, "hits": out["hits"],
+                   "evicted_pages": out["evicted_pages"], "hicache": out["hicache"]}
+        with open(args.json, "w") as f:
+            json.dump(payload, f)
+        progress(f"wrote {args.json}")
+    return 0 if ok else 1
+
+
 def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     """``cpgraph run --cp N``: plan, compile, run the CP prefill on N ranks, compare with one device."""
     import torch
@@ -131,7 +186,9 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     backend = args.backend or "inductor"
     progress(f"spawning {args.cp} {'NCCL' if args.device == 'cuda' else 'gloo'} rank(s), backend {backend}")
     spec = CPRunSpec(model=str(args.model), prompts=prompts, prefix_lens=prefix, cp=args.cp, device=args.device,
-                     kv_format=args.kv_format, dtype=args.dtype, backend=backend, page_size=DEFAULT_PAGE_SIZE)
+                     kv_format=args.kv_format, dtype=args.dtype, backend=backend, page_size=DEFAULT_PAGE_SIZE,
+                     cache=args.cache, evict=args.evict, host_layout=args.cache_layout,
+                     write_policy=args.write_policy)
     res = run_cp(spec)
     out = res.logits
     top = out.topk(min(args.top, out.shape[1]), dim=-1).indices.tolist()
@@ -163,11 +220,49 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
             "replicated_kv_bytes": res.replicated_bytes,
             "seconds": res.seconds,
         }
+        if res.cache is not None:
+            payload.update(second_pass_logits=res.cache["second"].tolist(), hits=res.cache["hits"],
+                           evicted_pages=res.cache["evicted_pages"], hicache=res.cache["hicache"])
         with open(args.json, "w") as f:
             json.dump(payload, f)
         progress(f"wrote {args.json}")
+    cache_ok = True
+    if res.cache is not None:
+        c = res.cache
+        cache_ok = _print_cache(c["hits"], c["evicted_pages"], c["load_misses"], c["second"], out)
     if not res.ranks_agree:
         print("error: ranks returned different logits", file=sys.stderr)
+        return 1
+    return 0 if cache_ok else 1
+
+
+def _cmd_pd(args: argparse.Namespace) -> int:
+    """``cpgraph pd --cp N``: prefill on N CPU ranks, Mooncake transfer over loopback, decode one token."""
+    from cpgraph.models.config import bundled_config_dict
+    from cpgraph.transfer.pd import PDSpec, run_pd
+
+    vocab = bundled_config_dict(args.model)["vocab_size"]
+    prompts = _read_prompts(args.prompts_file) if args.prompts_file else _builtin_prompts(vocab)
+    spec = PDSpec(model=args.model, prompts=prompts, prefix_lens=args.prefix_lens, chunk_tokens=args.chunk_tokens,
+                  cp=args.cp, page_size=args.page, backend=args.backend, group=args.group, timeout=args.timeout)
+    if not args.quiet:
+        print(f"[cpgraph pd] {args.cp} prefill rank(s) + 1 decode process on 127.0.0.1 (Mooncake TCP)",
+              file=sys.stderr, flush=True)
+    res = run_pd(spec)
+    for i, (p, t) in enumerate(zip(prompts, res.first_tokens)):
+        print(f"prompt {i}: {len(p)} tokens -> first token {t}; decode next-token argmax "
+              f"{int(res.decode_logits[i].argmax())} (transformers {int(res.hf_logits[i].argmax())})")
+    ok = res.max_abs_diff <= args.tol and all(s == 4 for s in res.statuses)
+    print(f"decode vs transformers 5.24 next-token logits: max |diff| {res.max_abs_diff:.3e} (tol {args.tol:g})")
+    print(f"transfer: {res.bytes_sent} bytes sent in {res.transfer_seconds * 1e3:.2f} ms = {res.gbps:.3f} GB/s; "
+          f"hidden behind the forward: {100 * res.hidden_share:.1f}% (tail {res.tail_sequential * 1e3:.2f} ms "
+          f"sequential -> {res.tail_overlap * 1e3:.2f} ms per-layer{', eager hooks' if args.cp == 1 else ', compiled: hooks at graph end'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"first_tokens": res.first_tokens, "max_abs_diff": res.max_abs_diff, "bytes_sent": res.bytes_sent,
+                       "gbps": res.gbps, "hidden_share": res.hidden_share, "statuses": res.statuses, "cp": args.cp}, f)
+    if not ok:
+        print("error: decode logits differ from transformers or a room failed", file=sys.stderr)
         return 1
     return 0
 
@@ -204,7 +299,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --cp: cpu = gloo ranks, cuda = NCCL with one rank per GPU (default cpu)")
     r.add_argument("--backend", choices=("inductor", "aot_eager"), default=None,
                    help="with --cp: torch.compile backend for the CP forward (default inductor)")
+    r.add_argument("--cache", action="store_true",
+                   help="prefixes from the radix prefix cache: run the prompts twice, report hits per level, and "
+                        "check that the second (warm) pass gives the first pass's logits")
+    r.add_argument("--evict", action="store_true",
+                   help="with --cache: evict the whole device cache to the L2 host pool between the passes, so "
+                        "the second pass loads back from L2")
+    r.add_argument("--cache-layout", choices=("layer_page_first", "page_first"), default="layer_page_first",
+                   help="with --evict: L2 host pool layout (default layer_page_first)")
+    r.add_argument("--write-policy", choices=("write_through", "write_back"), default="write_through",
+                   help="with --evict: back up new cache nodes at insert (write_through) or at eviction (write_back)")
     r.set_defaults(func=_cmd_run)
+
+    d = sub.add_parser("pd", help="prefill on N CP ranks, send the KV to a decode process (Mooncake), decode a token")
+    d.add_argument("--model", default="tiny-glm5", help="bundled tiny model name (default tiny-glm5)")
+    d.add_argument("--cp", type=int, default=2, help="prefill CP ranks (default 2)")
+    d.add_argument("--prompts-file", default=None, help="JSON list of token-id lists (default: built-in prompts)")
+    d.add_argument("--prefix-lens", type=_int_list, default=None, help="cached prefix per prompt (page multiples)")
+    d.add_argument("--chunk-tokens", type=int, default=None, help="chunked prefill: tokens per chunk (page multiple)")
+    d.add_argument("--page", type=int, default=16, help="KV page size (default 16)")
+    d.add_argument("--group", type=int, default=1, help="layers per transfer submit (default 1)")
+    d.add_argument("--backend", choices=("inductor", "aot_eager"), default="aot_eager",
+                   help="torch.compile backend of the CP ranks (default aot_eager)")
+    d.add_argument("--tol", type=float, default=1e-4, help="max |logit diff| vs transformers (default 1e-4)")
+    d.add_argument("--timeout", type=float, default=120.0, help="seconds per stage before failing (default 120)")
+    d.add_argument("--json", default=None, metavar="OUT", help="write the figures to OUT")
+    d.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    d.set_defaults(func=_cmd_pd)
     return parser
 
 

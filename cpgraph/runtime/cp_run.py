@@ -32,6 +32,10 @@ class CPRunSpec:
     dtype: str | None = None
     backend: str = "inductor"
     page_size: int = 16
+    cache: bool = False  # run the prompts twice through the radix cache (CacheEngine)
+    evict: bool = False  # with cache: evict L1 to the L2 host pool between the passes
+    host_layout: str = "layer_page_first"
+    write_policy: str = "write_through"
 
 
 @dataclass
@@ -45,6 +49,7 @@ class CPRunResult:
     compile_seconds: float
     ranks_agree: bool
     notes: list[str] = field(default_factory=list)
+    cache: dict | None = None  # with spec.cache: run_twice's summary (second-pass logits, hits per level)
 
 
 def _free_port() -> int:
@@ -81,16 +86,20 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
 
         kw = dict(prefix_lens=spec.prefix_lens, kv_format=spec.kv_format, page_size=spec.page_size,
                   rank=rank, cp_size=spec.cp)
-        t0 = time.perf_counter()
-        res = run_prefill(forward, model, spec.prompts, **kw)  # first run compiles
-        compile_s = time.perf_counter() - t0
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        res = run_prefill(forward, model, spec.prompts, **kw)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+        cache = None
+        if spec.cache:
+            cache, res, compile_s, seconds = _cached_runs(spec, forward, model, rank, cuda)
+        else:
+            t0 = time.perf_counter()
+            res = run_prefill(forward, model, spec.prompts, **kw)  # first run compiles
+            compile_s = time.perf_counter() - t0
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            res = run_prefill(forward, model, spec.prompts, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
         logits = res.logits.float().cpu()
         # Every rank must hold the same logits (the narrow gather hands every rank the owner's row).
         gathered = [torch.empty_like(logits) for _ in range(spec.cp)]
@@ -115,6 +124,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
                 seconds=seconds,
                 compile_seconds=compile_s,
                 ranks_agree=all(torch.equal(g, logits) for g in gathered),
+                cache=cache,
             )
         dist.barrier()
         dist.destroy_process_group()
@@ -122,10 +132,53 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
             # Tensors would travel as shared-memory handles that die with this
             # process: send plain arrays.
             payload.logits, payload.reference = payload.logits.numpy(), payload.reference.numpy()
+            if payload.cache is not None:
+                payload.cache["second"] = payload.cache["second"].numpy()
             queue.put(("ok", payload))
     except BaseException as exc:  # noqa: BLE001  (report, never hang the parent)
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
+
+
+def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool):
+    """``--cache``: the prompts twice through one CacheEngine (optionally evicting to L2 in between).
+
+    Returns ``(summary, first-pass result, first-pass seconds, second-pass seconds)``;
+    the first pass includes compilation.
+    """
+    from cpgraph.runtime.cache_engine import CacheEngine, default_capacity
+    from cpgraph.runtime.engine import EngineResult
+
+    pages = default_capacity(spec.prompts, spec.page_size)
+    engine = CacheEngine(forward, model, num_pages=pages, kv_format=spec.kv_format, page_size=spec.page_size,
+                         rank=rank, cp_size=spec.cp, host_pages=pages if spec.evict else 0,
+                         host_layout=spec.host_layout, write_policy=spec.write_policy)
+    t0 = time.perf_counter()
+    first = engine.prefill(spec.prompts)
+    if cuda:
+        torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    evicted = engine.evict_device() if spec.evict else 0
+    t0 = time.perf_counter()
+    second = engine.prefill(spec.prompts)
+    if cuda:
+        torch.cuda.synchronize()
+    second_s = time.perf_counter() - t0
+    summary = {
+        "second": second.logits.float().cpu(),
+        "hits": [first.totals(), second.totals()],
+        "evicted_pages": evicted,
+        "load_misses": second.load_misses,
+        "hicache": dict(engine.hicache.stats) if engine.hicache is not None else None,
+        "first_seconds": first_s,
+        "second_seconds": second_s,
+    }
+    bpp = engine.pool.bytes_per_page()
+    owned = int(engine.device.ledger.used[rank])
+    total = int(engine.device.ledger.used.sum())
+    res = EngineResult(logits=first.logits, kv_bytes=owned * bpp, pages_owned=owned, total_pages=total,
+                       bytes_per_page=bpp, pool_bytes=engine.pool.total_bytes())
+    return summary, res, first_s, second_s
 
 
 def run_cp(spec: CPRunSpec, timeout: float = 900.0) -> CPRunResult:
@@ -156,5 +209,7 @@ def run_cp(spec: CPRunSpec, timeout: float = 900.0) -> CPRunResult:
     if kind != "ok":
         raise RuntimeError(f"CP run failed: {payload}")
     payload.logits = torch.from_numpy(payload.logits)
+    if payload.cache is not None:
+        payload.cache["second"] = torch.from_numpy(payload.cache["second"])
     payload.reference = torch.from_numpy(payload.reference)
     return payload

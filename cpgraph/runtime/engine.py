@@ -90,6 +90,30 @@ def pool_config(model, kv_format: str, page_size: int, num_pages: int, rank: int
     )
 
 
+def pool_tensors(pool: KVPool, model) -> tuple[list[Tensor], list[Tensor]]:
+    """``(mla_pools, index_pools)`` in the order the model's forward takes them."""
+    cfg = model.config
+    return [pool.mla_pool(i) for i in range(cfg.num_hidden_layers)], [pool.index_pool(i) for i in cfg.indexer_layers]
+
+
+def forward_batch(forward: Callable, plan, tokens, tables, prefix_owners, pools, device, *, rank: int = 0,
+                  return_topk: bool = False):
+    """Build one planned batch (``build_batch``) and run ``forward`` on it; returns ``(output, meta)``.
+
+    ``tokens[i]``: request i's extend tokens; ``tables[i]``: this rank's page
+    per logical page (cached prefix, then extend; ``-1`` foreign);
+    ``prefix_owners[i]``: owner rank of each cached prefix page; ``pools``:
+    ``(mla_pools, index_pools)``.  Shared by :func:`run_prefill` and the
+    cache-aware engine (:mod:`cpgraph.runtime.cache_engine`).
+    """
+    from cpgraph.models.batch import build_batch
+
+    mla, index = pools
+    ids, meta = build_batch(plan, tokens, tables, device, rank=rank, prefix_page_owners=prefix_owners)
+    out = forward(ids, meta, mla, index, return_topk=return_topk) if return_topk else forward(ids, meta, mla, index)
+    return out, meta
+
+
 @torch.no_grad()
 def run_prefill(
     forward: Callable,
@@ -105,8 +129,6 @@ def run_prefill(
     progress: Callable[[str], None] | None = None,
 ) -> EngineResult:
     """Prefill ``token_lists`` as rank ``rank`` of a CP group of ``cp_size`` (see module docstring)."""
-    from cpgraph.models.batch import build_batch
-
     if kv_format not in _FORMATS:
         raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {kv_format!r}")
     lists, prefix = check_prompts(token_lists, prefix_lens, page_size, model.config.vocab_size)
@@ -128,30 +150,20 @@ def run_prefill(
     owned = sum(o.count(rank) for o in owners)
     pool = KVPool(pool_config(model, kv_format, page_size, owned, rank))
     tables = [pool.alloc_pages_with_owners(o) for o in owners]
-    cfg = model.config
-    mla = [pool.mla_pool(i) for i in range(cfg.num_hidden_layers)]
-    index = [pool.index_pool(i) for i in cfg.indexer_layers]
+    pools = pool_tensors(pool, model)
     device = model.device
 
     if pre_plan is not None:
         if progress:
             progress(f"prefix pass: {len(with_prefix)} request(s), {sum(prefix)} token(s)")
-        ids, meta = build_batch(
-            pre_plan,
-            [lists[i][: prefix[i]] for i in with_prefix],
-            [tables[i][: len(prefix_owners[i])] for i in with_prefix],
-            device,
-            rank=rank,
-            prefix_page_owners=[[] for _ in with_prefix],
-        )
-        forward(ids, meta, mla, index)
+        forward_batch(forward, pre_plan, [lists[i][: prefix[i]] for i in with_prefix],
+                      [tables[i][: len(prefix_owners[i])] for i in with_prefix], [[] for _ in with_prefix], pools,
+                      device, rank=rank)
 
     if progress:
         progress(f"extend pass: {B} request(s), {sum(extend)} token(s)")
-    ids, meta = build_batch(
-        ext_plan, [t[p:] for t, p in zip(lists, prefix)], tables, device, rank=rank, prefix_page_owners=prefix_owners
-    )
-    out = forward(ids, meta, mla, index, return_topk=return_topk) if return_topk else forward(ids, meta, mla, index)
+    out, meta = forward_batch(forward, ext_plan, [t[p:] for t, p in zip(lists, prefix)], tables, prefix_owners, pools,
+                              device, rank=rank, return_topk=return_topk)
     return EngineResult(
         logits=out.logits,
         kv_bytes=owned * pool.bytes_per_page(),

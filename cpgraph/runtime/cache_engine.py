@@ -1,0 +1,247 @@
+"""Cache-aware prefill: prefixes come from the radix cache (L1) or HiCache (L2), not from the caller.
+
+:class:`CacheEngine` owns what must persist across batches: the per-rank KV
+pool (the forward writes into the same tensors every call, so cached pages
+stay valid), the mirrored lane ledger, the radix tree and, optionally, the
+L2 host pool.  Per :meth:`CacheEngine.prefill` call, identically on every
+rank of the CP group:
+
+1. match each prompt (at most ``(len-1) // page_size`` pages: at least one
+   token must be computed to produce logits) and lock the L1 part; L2-only
+   nodes right after it are loaded back with their saved owner sequence
+   (locked first, so evictions cannot drop them); a failed load-back is a
+   miss for those pages;
+2. plan the batch with the hits as page-aligned prefixes; allocate extend
+   pages with the plan's owners, evicting LRU leaves of the deficit lanes and
+   retrying once when a lane is short;
+3. run the extend pass (``cpgraph.runtime.engine.forward_batch``);
+4. insert each prompt's whole pages; free the pages the tree did not adopt
+   (duplicates, e.g. the recomputed tail page of a repeated exact hit) and
+   the partial last page; back up new nodes under ``write_through``;
+   unlock.  With ``CPGRAPH_DEBUG=1`` the tree fingerprints are compared
+   across ranks (one collective).
+
+Hits are reported per level: ``device`` (L1), ``host`` (loaded from L2) and
+``computed`` tokens per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cpgraph.plan import plan_prefill
+
+from .engine import _FORMATS, check_prompts, forward_batch, pool_config, pool_tensors
+from .hicache import DevicePages, HiCache, HostPool, LaneDeficit
+from .kv_pool import KVPool, KVPoolExhausted
+from .radix import RadixCache, RadixNode, TokenKey, check_consistent
+
+
+@dataclass
+class CacheResult:
+    logits: Tensor  # fp32 [B, vocab]
+    hits: list[dict]  # per request: {"device": tokens, "host": tokens, "computed": tokens}
+    device_pages_in_use: int  # this rank's L1 pages held after the batch (all cached)
+    topk: list[Tensor] | None = None
+    meta: object | None = None
+    load_misses: int = 0  # load-backs that degraded to a miss in this call
+
+    def totals(self) -> dict:
+        return {k: sum(h[k] for h in self.hits) for k in ("device", "host", "computed")}
+
+
+@dataclass
+class _Request:
+    tokens: list
+    key: TokenKey
+    # Snapshot at match time: a later request's match may split these nodes.
+    prefix_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    prefix_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    locks: list = field(default_factory=list)
+    device_hit: int = 0
+    host_hit: int = 0
+
+
+class CacheEngine:
+    """Persistent-pool prefill engine with a radix prefix cache and optional HiCache (see module docstring).
+
+    ``num_pages``: L1 capacity per rank (every rank the same);
+    ``host_pages``: L2 capacity per rank (0 = no HiCache).  ``forward`` is
+    called as ``forward(input_ids, meta, mla_pools, index_pools)``.
+    ``group``/``debug_device``: where the debug fingerprint collective runs.
+    """
+
+    def __init__(self, forward: Callable, model, *, num_pages: int, kv_format: str = "bf16", page_size: int = 16,
+                 rank: int = 0, cp_size: int = 1, host_pages: int = 0, host_layout: str = "layer_page_first",
+                 write_policy: str = "write_through", group=None):
+        if kv_format not in _FORMATS:
+            raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {kv_format!r}")
+        self.forward, self.model = forward, model
+        self.page_size, self.rank, self.cp_size, self.group = page_size, rank, cp_size, group
+        self.pool = KVPool(pool_config(model, kv_format, page_size, num_pages, rank))
+        self.pools = pool_tensors(self.pool, model)
+        self.device = DevicePages(self.pool, cp_size)
+        self.tree = RadixCache(page_size, rank, cp_size)
+        self.hicache = None
+        if host_pages:
+            host = HostPool(self.pool, host_pages, cp_size, host_layout)
+            self.hicache = HiCache(self.device, host, self.tree, write_policy=write_policy,
+                                   evict_device=self._evict_lanes)
+
+    # ---------------------------------------------------------------- eviction
+    def _release(self, node: RadixNode) -> bool:
+        """Free ``node``'s L1 pages; back it up first when HiCache is on. True = node stays (L2-only)."""
+        keep = False
+        if self.hicache is not None:
+            if node.host_pages is None:
+                handle = self.hicache.backup([node])
+                if handle is not None:
+                    handle.wait_all()  # later writes to the freed pages wait for the copy
+            keep = self.hicache.usable_from_host(node)
+        self.device.free(node.device_pages, node.page_owners)
+        return keep
+
+    def _release_host(self, node: RadixNode) -> None:
+        if self.hicache is not None:
+            self.hicache.release_host(node)
+
+    def _evict_lanes(self, deficits: dict[int, int]) -> None:
+        for lane, need in sorted(deficits.items()):
+            self.tree.evict(need, self._release, lane=lane, release_host=self._release_host)
+
+    def evict_device(self, num_pages: int | None = None) -> int:
+        """Evict unlocked L1 nodes (all when ``num_pages`` is None), backing up to L2 when HiCache is on."""
+        n = self.tree.device_pages_total if num_pages is None else num_pages
+        return self.tree.evict(n, self._release, release_host=self._release_host)
+
+    def _alloc(self, owners) -> np.ndarray:
+        for attempt in range(2):
+            try:
+                return self.device.alloc(owners)
+            except LaneDeficit as exc:
+                if attempt:
+                    raise KVPoolExhausted(self.rank, int(np.count_nonzero(np.asarray(owners) == self.rank)),
+                                          self.pool.num_free) from exc
+                self._evict_lanes(exc.deficits)
+        raise AssertionError("unreachable")
+
+    # ----------------------------------------------------------------- prefill
+    def _match(self, req: _Request) -> None:
+        ps = self.page_size
+        limit = (len(req.tokens) - 1) // ps
+        m = self.tree.match_prefix(req.key, max_pages=limit)
+        nodes = m.device_nodes
+        if nodes:
+            self.tree.inc_lock(nodes[-1])
+            req.locks.append(nodes[-1])
+        req.device_hit = m.device_len
+        if self.hicache is not None and m.host_nodes:
+            run = []
+            for n in m.host_nodes:
+                if not self.hicache.usable_from_host(n):
+                    break
+                run.append(n)
+            if run:
+                self.tree.inc_lock(run[-1])  # L2-side evictions must not drop what we load
+                handle = self.hicache.load_back(run)
+                if handle is None:
+                    self.tree.dec_lock(run[-1])
+                else:
+                    handle.wait_all()  # the forward has no per-layer hook: wait every layer's event (stream order)
+                    req.locks.append(run[-1])
+                    nodes = nodes + run
+                    req.host_hit = sum(n.num_pages for n in run) * ps
+        if nodes:
+            req.prefix_pages = np.concatenate([n.device_pages for n in nodes])
+            req.prefix_owners = np.concatenate([n.page_owners for n in nodes]).astype(np.int64)
+
+    @torch.no_grad()
+    def prefill(self, token_lists: Sequence[Sequence[int]], *, return_topk: bool = False,
+                progress: Callable[[str], None] | None = None) -> CacheResult:
+        ps = self.page_size
+        lists, _ = check_prompts(token_lists, None, ps, self.model.config.vocab_size)
+        misses_before = self.hicache.stats["load_misses"] if self.hicache else 0
+        reqs = [_Request(t, TokenKey(t)) for t in lists]
+        allocated: list[tuple[np.ndarray, np.ndarray]] = []
+        try:
+            for r in reqs:
+                self._match(r)
+            prefix = [r.prefix_pages.shape[0] * ps for r in reqs]
+            extend = [len(r.tokens) - p for r, p in zip(reqs, prefix)]
+            plan = plan_prefill(prefix, extend, cp_size=self.cp_size, page_size=ps)
+            tables, owners = [], []
+            for i, r in enumerate(reqs):
+                ext_owners = np.asarray(plan.page_owners(i), dtype=np.int64)
+                ext_pages = self._alloc(ext_owners)
+                allocated.append((ext_pages, ext_owners))
+                tables.append(np.concatenate([r.prefix_pages, ext_pages]))
+                owners.append(np.concatenate([r.prefix_owners, ext_owners]))
+            if progress:
+                progress(f"extend pass: {len(reqs)} request(s), {sum(extend)} token(s), cached prefix {sum(prefix)}")
+            prefix_owners = [o[: p // ps] for o, p in zip(owners, prefix)]
+            out, meta = forward_batch(self.forward, plan, [r.tokens[p:] for r, p in zip(reqs, prefix)], tables,
+                                      prefix_owners, self.pools, self.model.device, rank=self.rank,
+                                      return_topk=return_topk)
+            allocated = []  # from here on the pages belong to the insert/free step
+            new_nodes = []
+            for r, p, table, own in zip(reqs, prefix, tables, owners):
+                full = len(r.tokens) // ps
+                m = p // ps
+                res = self.tree.insert(r.key[: full * ps], table[:full], own[:full], matched_pages=m,
+                                       drop_host=self._release_host)
+                drop = np.flatnonzero(~res.adopted)
+                drop = np.concatenate([drop, np.arange(full, table.shape[0])])  # + the partial last page
+                if drop.size:
+                    self.device.free(table[drop], own[drop])
+                new_nodes += res.new_nodes + res.revived_nodes
+            if self.hicache is not None and self.hicache.write_policy == "write_through":
+                self.hicache.backup([n for n in new_nodes if n.device_pages is not None])
+        finally:
+            for pages, own in allocated:  # failed before the forward finished: give the pages back
+                self.device.free(pages, own)
+            for r in reqs:
+                for node in r.locks:
+                    self.tree.dec_lock(node)
+        check_consistent(self.tree, self.group, device=self.model.device)
+        hits = [{"device": r.device_hit, "host": r.host_hit, "computed": len(r.tokens) - r.device_hit - r.host_hit}
+                for r in reqs]
+        misses = (self.hicache.stats["load_misses"] if self.hicache else 0) - misses_before
+        return CacheResult(out.logits, hits, int(self.device.ledger.used[self.rank]), out.topk if return_topk else None,
+                           meta if return_topk else None, misses)
+
+
+def default_capacity(token_lists, page_size: int) -> int:
+    """Pages per rank that hold every prompt twice over (cached copy + one batch's extend pages)."""
+    return 2 * sum(-(-len(t) // page_size) for t in token_lists) + len(token_lists)
+
+
+def run_twice(engine: CacheEngine, token_lists, *, evict: bool = False,
+              progress: Callable[[str], None] | None = None) -> dict:
+    """``cpgraph run --cache``: prefill, optionally evict all of L1 to L2, prefill the same prompts again.
+
+    Returns both passes' logits and per-level hits; the second pass must give
+    the first pass's logits (warm-cache correctness).
+    """
+    first = engine.prefill(token_lists, progress=progress)
+    evicted = 0
+    if evict:
+        if engine.hicache is None:
+            raise ValueError("evicting between passes needs an L2 host pool (host_pages > 0)")
+        evicted = engine.evict_device()
+        if progress:
+            progress(f"evicted {evicted} page(s) from L1 to L2")
+    second = engine.prefill(token_lists, progress=progress)
+    return {
+        "first": first.logits,
+        "second": second.logits,
+        "hits": [first.totals(), second.totals()],
+        "hits_per_request": [first.hits, second.hits],
+        "evicted_pages": evicted,
+        "load_misses": second.load_misses,
+        "hicache": dict(engine.hicache.stats) if engine.hicache is not None else None,
+    }

@@ -1,0 +1,180 @@
+"""Radix prefix cache: page-multiple matches, metadata splits, locks, LRU eviction, rank-identical decisions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpgraph.runtime.radix import CPNodeMeta, LaneLedger, RadixCache, TokenKey, check_consistent
+
+PS = 4
+
+
+def _brute_hit(query, inserted, ps, max_pages=None):
+    """Longest page-aligned common prefix of ``query`` with any inserted key (plain Python)."""
+    best = 0
+    for key in inserted:
+        n = 0
+        while n < min(len(query), len(key)) and query[n] == key[n]:
+            n += 1
+        best = max(best, n // ps * ps)
+    if max_pages is not None:
+        best = min(best, max_pages * ps)
+    return best
+
+
+def _insert(tree, tokens, cp, rank, seed):
+    """Insert the whole pages of ``tokens`` with seeded owners; returns (pages, owners) used."""
+    n = len(tokens) // tree.page_size
+    rng = np.random.default_rng(seed)
+    owners = rng.integers(0, cp, size=n)
+    pages = np.where(owners == rank, rng.integers(0, 1000, size=n), -1)
+    m = tree.match_prefix(TokenKey(tokens)).device_len // tree.page_size
+    res = tree.insert(TokenKey(tokens)[: n * tree.page_size], pages, owners, matched_pages=m)
+    return pages, owners, res
+
+
+seqs = st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=24), min_size=1, max_size=8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seqs, st.lists(st.integers(0, 2), max_size=24), st.one_of(st.none(), st.integers(0, 6)))
+def test_match_is_page_multiple_and_longest(inserted, query, max_pages):
+    tree = RadixCache(PS, rank=0, cp_size=2)
+    for k, toks in enumerate(inserted):
+        _insert(tree, toks, 2, 0, k)
+    m = tree.match_prefix(TokenKey(query), max_pages=max_pages)
+    assert m.device_len % PS == 0
+    assert m.device_len == _brute_hit(query, [t[: len(t) // PS * PS] for t in inserted], PS, max_pages)
+    got = b"".join(n.key for n in m.nodes)
+    assert got == TokenKey(query).raw()[: len(got)]
+    assert m.page_owners.shape == m.device_pages.shape == (m.device_len // PS,)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seqs, st.integers(0, 2))
+def test_splits_keep_metadata_consistent(inserted, rank):
+    cp = 3
+    tree = RadixCache(PS, rank=rank, cp_size=cp)
+    first = {}
+    for k, toks in enumerate(inserted):
+        pages, owners, _ = _insert(tree, toks, cp, rank, k)
+        for j in range(len(toks) // PS):  # the first insert of a page prefix wins
+            first.setdefault(tuple(toks[: (j + 1) * PS]), (pages[j], owners[j]))
+    for node in tree.nodes():
+        meta = node.meta
+        assert len(node.key) == meta.num_pages * PS * 4 and meta.page_size == PS
+        assert meta.page_owners.dtype == np.int8
+        assert np.array_equal(meta.owned_positions, np.flatnonzero(meta.page_owners == rank))
+        assert np.array_equal(node.device_pages >= 0, meta.page_owners == rank)
+    for toks in inserted:
+        n = len(toks) // PS
+        m = tree.match_prefix(TokenKey(toks))
+        assert m.device_len == n * PS
+        for j in range(n):
+            page, owner = first[tuple(toks[: (j + 1) * PS])]
+            assert m.device_pages[j] == page and m.page_owners[j] == owner
+
+
+def test_meta_split_page_aligned():
+    owners = np.array([0, 1, 1, 0, 2, 1], dtype=np.int8)
+    meta = CPNodeMeta.build(owners, 8, rank=1)
+    head, tail = meta.split(16)
+    assert head.page_owners.tolist() == [0, 1] and tail.page_owners.tolist() == [1, 0, 2, 1]
+    assert head.owned_positions.tolist() == [1] and tail.owned_positions.tolist() == [0, 3]
+    with pytest.raises(ValueError, match="not a multiple"):
+        meta.split(12)
+    with pytest.raises(ValueError, match="outside"):
+        meta.split(48)
+
+
+def test_token_key_slices_are_views():
+    key = TokenKey(list(range(100)))
+    sub = key[10:50][5:20]
+    assert sub._raw is key._raw and (sub.start, sub.end) == (15, 30)
+    assert sub.tokens().tolist() == list(range(15, 30))
+    with pytest.raises(ValueError):
+        TokenKey([1.5, 2.0])
+    with pytest.raises(ValueError):
+        TokenKey([-1])
+
+
+def _chain(tree, tokens, parts, rank=0):
+    """Insert ``tokens`` in ``parts`` growing prefixes (a path of ``parts`` nodes)."""
+    n = len(tokens) // PS
+    for k in range(1, parts + 1):
+        j = n * k // parts
+        m = (n * (k - 1)) // parts
+        tree.insert(TokenKey(tokens[: j * PS]), np.arange(j) + 100 * rank, np.zeros(j), matched_pages=m)
+
+
+def test_lock_and_eviction_accounting():
+    tree = RadixCache(PS)
+    a = list(range(16))  # 4 pages
+    b = list(range(8)) + [99] * 8  # shares 2 pages with a
+    _chain(tree, a, 1)
+    tree.insert(TokenKey(b), np.array([0, 1, 7, 8]), np.zeros(4), matched_pages=2)
+    assert tree.device_pages_total == 6 and tree.locked_pages == 0 and tree.evictable_pages == 6
+    m = tree.match_prefix(TokenKey(b))
+    tree.inc_lock(m.nodes[-1])  # locks b's leaf and the shared head
+    assert tree.locked_pages == 4 and tree.evictable_pages == 2
+    freed = []
+    assert tree.evict(100, lambda n: freed.append(n.device_pages.tolist()) or False) == 2
+    assert freed == [[2, 3]] and tree.device_pages_total == 4
+    assert tree.match_prefix(TokenKey(a)).device_len == 8  # a's tail is gone, shared head stays
+    tree.dec_lock(m.nodes[-1])
+    assert tree.locked_pages == 0
+    with pytest.raises(RuntimeError, match="not locked"):
+        tree.dec_lock(m.nodes[-1])
+    assert tree.evict(100, lambda n: False) == 4 and tree.device_pages_total == 0 and not list(tree.nodes())
+
+
+def test_lru_order_and_lane_eviction():
+    tree = RadixCache(PS, cp_size=2)
+    keys = [[k] * 8 for k in range(3)]  # three 2-page leaves under the root
+    lanes = [[0, 0], [1, 1], [0, 1]]
+    for k, lane in zip(keys, lanes):
+        tree.insert(TokenKey(k), np.arange(2), np.array(lane))
+    tree.match_prefix(TokenKey(keys[0]))  # touch leaf 0: now leaf 1 is the oldest
+    order = []
+    tree.evict(2, lambda n: order.append(n.key[:4]) or False)
+    assert order == [TokenKey(keys[1]).raw()[:4]]
+    # Lane 0 deficit of 1 page: the oldest leaf holding lane-0 pages is leaf 2 (leaf 1 is gone).
+    order.clear()
+    assert tree.evict(1, lambda n: order.append(n.key[:4]) or False, lane=0) == 1
+    assert order == [TokenKey(keys[2]).raw()[:4]]
+
+
+def test_identical_decisions_across_ranks():
+    """Same operations on rank 0 and rank 1 (different physical pages) give the same fingerprint."""
+    rng = np.random.default_rng(3)
+    trees = [RadixCache(PS, rank=r, cp_size=2) for r in range(2)]
+    for step in range(30):
+        toks = rng.integers(0, 3, size=int(rng.integers(4, 30))).tolist()
+        owners = rng.integers(0, 2, size=len(toks) // PS)
+        for r, tree in enumerate(trees):
+            m = tree.match_prefix(TokenKey(toks)).device_len // PS
+            pages = np.where(owners == r, np.arange(owners.size) + 1000 * r, -1)
+            tree.insert(TokenKey(toks)[: owners.size * PS], pages, owners, matched_pages=m)
+            if step % 7 == 6:
+                tree.evict(5, lambda n: False, lane=int(step % 2))
+    assert trees[0].fingerprint() == trees[1].fingerprint()
+    trees[1].match_prefix(TokenKey([0, 0, 0, 0]))  # one extra access changes the LRU clock
+    assert trees[0].fingerprint() != trees[1].fingerprint()
+    check_consistent(trees[0])  # no process group / debug off: a no-op
+
+
+def test_lane_ledger():
+    led = LaneLedger([3, 2])
+    assert led.deficit([0, 1, 1, 1]) == {1: 1}
+    led.take([0, 1])
+    assert led.free_pages().tolist() == [2, 1] and led.deficit([1, 1]) == {1: 1}
+    with pytest.raises(RuntimeError):
+        led.take([1, 1])
+    led.give([0, 1])
+    with pytest.raises(RuntimeError):
+        led.give([0])
+    with pytest.raises(ValueError, match="owner outside"):
+        led.counts([2])
