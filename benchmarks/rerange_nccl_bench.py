@@ -9,9 +9,10 @@ rank with CUDA events, median over repeats, in one run:
   the Triton provider on CUDA);
 * ``naive``: all-gather, then split per rank/request chunk and ``cat`` (what a hand-written
   engine path does);
-* ``p2p folded``: ``cpgraph.kernels.p2p.rerange_p2p``: every (rank, request chunk) run travels as
-  one NCCL send/recv straight into its final rows of the output (no gathered buffer, no
-  placement pass); a rank's own runs are copied locally on a side stream, overlapping the transfer;
+* ``p2p folded``: ``cpgraph.kernels.p2p.rerange_p2p``: each rank sends its block of valid rows to
+  every peer as ONE NCCL message (no dummy rows); a peer's rows are received straight into the
+  output when they form one run there, else into a staging buffer placed by one gather pass;
+  a rank's own rows are placed on a side stream while the transfer runs;
 * ``materialize``: ``cp_materialize_kv`` with an MLA payload of 656-B records plus an index
   payload of 132-B tokens (Triton pack + one multi-kind placement on CUDA), against the
   all-gather of the same packed bytes (788 B of payload per row, 792 B packed).
@@ -97,7 +98,7 @@ def _worker(rank: int, world: int, tokens_list: list[int], repeat: int, out_path
         T = rp.rerange_index.shape[0]
 
         def p2p():
-            return rerange_p2p(x, runs, dist.group.WORLD, num_out=T)
+            return rerange_p2p(x, runs, dist.group.WORLD, num_out=T, rerange_index=rp.rerange_index)
 
         ref = gather()[rp.rerange_index]
         assert torch.equal(rerange(), ref) and torch.equal(naive(), ref) and torch.equal(p2p(), ref)

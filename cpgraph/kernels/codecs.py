@@ -18,7 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bits import KIND_BF16, KIND_F16, KIND_F32, bf16_bits, e4m3_bits, e4m3_to_f32, exp2_f32, load_f32, pow2_exponent, store_f32_as
+from ._bits import (
+    KIND_BF16, KIND_F16, KIND_F32, bf16_bits, e4m3_bits, e4m3_to_f32_fast, exp2_f32, load_f32, pow2_exponent, store_f32_as,
+)  # fmt: skip
+from ._launch import Launcher
 from .move import interpreting
 
 _KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
@@ -85,25 +88,27 @@ def mla_fp8_pack(latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     lat, lat_kind = _operand(latent)
     pe, pe_kind = _operand(k_pe)
     rows = _rows_per_program(512, n)
-    _mla_fp8_pack_kernel[(triton.cdiv(n, rows),)](
-        lat, pe, out, out.view(torch.int16), out.view(torch.int32), n, _row_stride(lat), _row_stride(pe),
-        LAT_KIND=lat_kind, PE_KIND=pe_kind, ROWS=rows, num_warps=4,
+    _PACK(
+        (triton.cdiv(n, rows),),
+        [lat, pe, out, out.view(torch.int16), out.view(torch.int32), n, _row_stride(lat), _row_stride(pe),
+         lat_kind, pe_kind, rows],
+        4,
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def _mla_fp8_unpack_kernel(rec8, rec16, rec32, out, n, OUT_KIND: tl.constexpr, ROWS: tl.constexpr):
+    """One 128-value tile at a time (its scale is one word per row: no reshape, no broadcast shuffle)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n
     r = rows.to(tl.int64)
-    cols = tl.arange(0, 512)
-    vals = e4m3_to_f32(tl.load(rec8 + r[:, None] * 656 + cols[None, :], mask=ok[:, None], other=0))
-    sc = tl.arange(0, 4)
-    scales = tl.load(rec32 + r[:, None] * 164 + 128 + sc[None, :], mask=ok[:, None], other=0)
-    scales = scales.to(tl.float32, bitcast=True)
-    lat = tl.reshape(tl.reshape(vals, (ROWS, 4, 128)) * scales[:, :, None], (ROWS, 512))
-    store_f32_as(out + r[:, None] * 576 + cols[None, :], lat, ok[:, None], OUT_KIND)
+    cols = tl.arange(0, 128)
+    for b in tl.static_range(4):
+        q = tl.load(rec8 + r[:, None] * 656 + b * 128 + cols[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        scale = tl.load(rec32 + r * 164 + 128 + b, mask=ok, other=0).to(tl.float32, bitcast=True)
+        lat = e4m3_to_f32_fast(q) * scale[:, None]
+        store_f32_as(out + r[:, None] * 576 + b * 128 + cols[None, :], lat, ok[:, None], OUT_KIND)
     pc = tl.arange(0, 64)
     pe = tl.load(rec16 + r[:, None] * 328 + 264 + pc[None, :], mask=ok[:, None], other=0)
     pe_ptrs = out + r[:, None] * 576 + 512 + pc[None, :]
@@ -111,6 +116,11 @@ def _mla_fp8_unpack_kernel(rec8, rec16, rec32, out, n, OUT_KIND: tl.constexpr, R
         tl.store(pe_ptrs, pe, mask=ok[:, None])
     else:
         store_f32_as(pe_ptrs, (pe.to(tl.int32) << 16).to(tl.float32, bitcast=True), ok[:, None], OUT_KIND)
+
+
+# Tile of the unpack: rows per program and warps (tuned on the H200, see docs/kernels.md).
+UNPACK_ROWS = 8
+UNPACK_WARPS = 4
 
 
 def mla_fp8_unpack(records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,10 +131,12 @@ def mla_fp8_unpack(records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return out
     rec = records.contiguous()
     kind = _KINDS[dtype]
-    rows = _rows_per_program(512, n)
-    _mla_fp8_unpack_kernel[(triton.cdiv(n, rows),)](
-        rec, rec.view(torch.int16), rec.view(torch.int32), out.view(torch.int16) if kind == KIND_BF16 else out, n,
-        OUT_KIND=kind, ROWS=rows, num_warps=4,
+    rows = _rows_per_program(512, n) if interpreting() else max(1, min(UNPACK_ROWS, triton.next_power_of_2(n)))
+    _UNPACK(
+        (triton.cdiv(n, rows),),
+        [rec, rec.view(torch.int16), rec.view(torch.int32), out.view(torch.int16) if kind == KIND_BF16 else out, n,
+         kind, rows],
+        UNPACK_WARPS if not interpreting() else 4,
     )  # fmt: skip
     return out
 
@@ -174,10 +186,11 @@ def _index_k_launch(pages: torch.Tensor, keys: torch.Tensor, slots, page_size: i
     k, kind = _operand(keys)
     rows = _rows_per_program(nbp * 128, n)
     page_stride = pages.stride(0) if pages.shape[0] > 1 else pages.shape[1]
-    _index_k_store_kernel[(triton.cdiv(n, rows),)](
-        k, slots if slots is not None else k, pages, n, _row_stride(k),
-        KEY_KIND=kind, HAS_SLOTS=slots is not None, D=d, NB=nb, NBP=nbp,
-        PAGE=page_size, PAGE_STRIDE=page_stride, ROWS=rows, num_warps=4,
+    _INDEX_K_STORE(
+        (triton.cdiv(n, rows),),
+        [k, slots if slots is not None else k, pages, n, _row_stride(k), kind, slots is not None, d, nb, nbp,
+         page_size, page_stride, rows],
+        4,
     )  # fmt: skip
 
 
@@ -195,3 +208,8 @@ def index_k_store(pages: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, 
     if pages.shape[0] == 0:
         return
     _index_k_launch(pages, keys, slots, page_size)
+
+
+_PACK = Launcher(_mla_fp8_pack_kernel)
+_UNPACK = Launcher(_mla_fp8_unpack_kernel)
+_INDEX_K_STORE = Launcher(_index_k_store_kernel)

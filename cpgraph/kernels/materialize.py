@@ -39,6 +39,52 @@ def pack_rows(prefix_rows: list, current_rows: list, columns: list[int], row_byt
     """Send buffer ``uint8 [P + M, row_bytes]``: prefix rows then current rows, kind ``k`` at ``columns[k]``."""
     num_prefix, num_current = prefix_rows[0].shape[0], current_rows[0].shape[0]
     send = torch.empty((num_prefix + num_current, row_bytes), dtype=torch.uint8, device=current_rows[0].device)
+    key = (row_bytes, tuple(columns), _tensor_key(send), *map(_tensor_key, prefix_rows), *map(_tensor_key, current_rows))
+    plan = _PACK_PLANS.get(key)
+    if plan is not None:  # the geometry was seen before: launch straight from the recorded arguments
+        _replay(plan, (prefix_rows, current_rows), send)
+        return send
+    recorded: list = []
+    _general_pack(prefix_rows, current_rows, columns, row_bytes, send, recorded)
+    if recorded and all(r is not None for r in recorded):
+        if len(_PACK_PLANS) > 256:
+            _PACK_PLANS.clear()
+        _PACK_PLANS[key] = recorded
+    return send
+
+
+# Host time matters here: at 32K tokens the pack's GPU work is ~26 us on an H200 but the general
+# path below spent ~200 us of Python per call (byte views, segment objects, two generic launches).
+# A pack plan records, per geometry (shapes, strides, dtypes, 16-byte alignments), the launches'
+# constexprs and which tensor each pointer comes from; a call with the same geometry only takes
+# the word views and launches.
+_PACK_PLANS: dict = {}
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr() % 16, t.storage_offset() % 16)
+
+
+def _replay(plan: list, blocks: tuple, send: torch.Tensor) -> None:
+    for block, start, n, grid, warps, segs, tail in plan:
+        tensors = blocks[block]
+        dst_rows = send[start:] if start else send
+        args: list = [None, n]
+        for k, word, consts in segs:
+            src = byte_rows(tensors[k])
+            if word is not torch.uint8:
+                args += [src.view(word), dst_rows.view(word), *consts]
+            else:
+                args += [src, dst_rows, *consts]
+        for _ in range(segments.MAX_SEGMENTS - len(segs)):
+            args += [args[2], args[3], *segments.UNUSED_SLOT]
+        args[0] = args[2]  # COPY mode never reads the index
+        args += tail
+        segments._LAUNCH(grid, args, warps)
+
+
+def _general_pack(prefix_rows: list, current_rows: list, columns: list[int], row_bytes: int, send, recorded) -> None:
+    num_prefix, num_current = prefix_rows[0].shape[0], current_rows[0].shape[0]
     ends = list(columns[1:]) + [row_bytes]
     for block, start, n in ((prefix_rows, 0, num_prefix), (current_rows, num_prefix, num_current)):
         if n == 0:
@@ -54,13 +100,18 @@ def pack_rows(prefix_rows: list, current_rows: list, columns: list[int], row_byt
                 continue
             segs.append(segments.Segment(src, dst, Layout(src.stride(0)), row_bytes, width, dst_base=col, store_bytes=end - col))
         wide = [s for s in segs if not segments.fits(s.store_bytes)]
+        if wide or len(segs) != len(block) or len(segs) > segments.MAX_SEGMENTS:
+            recorded.append(None)  # only the common geometry (one launch per block) is recorded
         for s in wide:  # rare: a kind wider than a narrow row, plain torch copies
             dst[:n, s.dst_base : s.dst_base + s.load_bytes].copy_(s.src[:n])
             if s.store_bytes > s.load_bytes:
                 dst[:n, s.dst_base + s.load_bytes : s.dst_base + s.store_bytes].zero_()
         for group in _groups([s for s in segs if segments.fits(s.store_bytes)]):
-            segments.move_segments(group, None, n, segments.COPY)
-    return send
+            launch = segments.move_segments(group, None, n, segments.COPY)
+            if launch is not None and len(group) == len(segs):
+                grid, warps, tail, geos = launch
+                recorded.append((0 if block is prefix_rows else 1, start, n, grid, warps,
+                                 [(k, geo[1], geo[2]) for k, geo in enumerate(geos)], tail))  # fmt: skip
 
 
 def place_rows(gathered: torch.Tensor, kv_source: torch.Tensor, columns: list[int], current_rows: list) -> list:

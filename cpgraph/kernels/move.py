@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import Launcher
+
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -51,6 +53,8 @@ def _move_rows_kernel(
     dst,
     index,
     num_rows,
+    skip_lo,
+    skip_hi,
     GATHER: tl.constexpr,
     SRC_PAGE: tl.constexpr,
     SRC_PAGE_STRIDE: tl.constexpr,
@@ -63,10 +67,16 @@ def _move_rows_kernel(
     WIDTH: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     idx = tl.load(index + rows, mask=row_ok, other=-1).to(tl.int64)
+    if SKIP == 1:  # rows whose source lies in [skip_lo, skip_hi) are left untouched (written by someone else)
+        row_ok = row_ok & ((idx < skip_lo) | (idx >= skip_hi))
+    elif SKIP == 2:  # only those rows, read from a buffer that starts at skip_lo
+        row_ok = row_ok & (idx >= skip_lo) & (idx < skip_hi)
+        idx = idx - skip_lo
     valid = row_ok & (idx >= 0)
     idx = tl.maximum(idx, 0)
     if GATHER:
@@ -109,6 +119,8 @@ def byte_rows(t: torch.Tensor) -> torch.Tensor:
     contiguous copy is taken (never the case for the ops' own call sites).
     """
     n = t.shape[0]
+    if n > 1 and t.dim() == 2 and t.stride(1) == 1:  # the common case, without the general walk below
+        return t if t.dtype == torch.uint8 else t.view(torch.uint8)
     expected, ok = 1, True
     for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
         if size != 1 and stride != expected:
@@ -162,18 +174,24 @@ def move_rows(
     dst_layout: Layout,
     *,
     gather: bool,
+    skip: tuple[int, int] | None = None,
+    keep: bool = False,
 ) -> None:
     """Launch the row mover on byte buffers ``src``/``dst`` (2-D uint8, unit last stride).
 
     ``gather=True``: ``dst row r <- src row index[r]`` for ``r < num_rows``
     (zeros where ``index[r] == -1``); ``gather=False``: ``dst row index[r]
     <- src row r`` (skipped where ``-1``).  ``index``: int32/int64 ``[num_rows]``.
+    ``skip=(lo, hi)`` (gather only): rows whose index lies in ``[lo, hi)`` are
+    not written at all; with ``keep=True`` the opposite: only those rows are
+    written, from ``src`` row ``index - lo`` (the folded rerange places its
+    own rows and its peers' rows in two such passes).
     """
     if num_rows == 0 or width_bytes == 0:
         return
     from . import segments
 
-    if dst_layout.page == 1 and dst_layout.tok_stride == 0 and segments.fits(width_bytes):
+    if skip is None and dst_layout.page == 1 and dst_layout.tok_stride == 0 and segments.fits(width_bytes):
         # Narrow rows: whole rows per program in power-of-two pieces (no masked lanes).
         seg = segments.Segment(src, dst, src_layout, dst_layout.page_stride, width_bytes, dst_base=dst_layout.base)
         segments.move_segments([seg], index, num_rows, segments.GATHER if gather else segments.SCATTER)
@@ -186,13 +204,16 @@ def move_rows(
     sp, sps, sts, sb = src_layout.in_words(w)
     dp, dps, dts, db = dst_layout.in_words(w)
     grid = (triton.cdiv(num_rows, rows), triton.cdiv(width, block_w))
-    _move_rows_kernel[grid](
-        src_w, dst_w, index, num_rows,
-        GATHER=gather,
-        SRC_PAGE=sp, SRC_PAGE_STRIDE=sps, SRC_TOK_STRIDE=sts, SRC_BASE=sb,
-        DST_PAGE=dp, DST_PAGE_STRIDE=dps, DST_TOK_STRIDE=dts, DST_BASE=db,
-        WIDTH=width, ROWS=rows, BLOCK_W=block_w, num_warps=warps,
+    lo, hi = skip if skip is not None else (0, 0)
+    _MOVE_ROWS(
+        grid,
+        [src_w, dst_w, index, num_rows, lo, hi, gather, sp, sps, sts, sb, dp, dps, dts, db, width, rows, block_w,
+         0 if skip is None else (2 if keep else 1)],
+        warps,
     )  # fmt: skip
+
+
+_MOVE_ROWS = Launcher(_move_rows_kernel)
 
 
 # ------------------------------------------------------------- row ops

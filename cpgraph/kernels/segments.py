@@ -35,10 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import Launcher
 from .move import _WORD_DTYPES, Layout, interpreting, word_size
 
 GATHER, SCATTER, COPY = 0, 1, 2
 MAX_SEGMENTS = 3
+# Constexprs of an unused segment slot (after its two pointers, which repeat slot 0's).
+UNUSED_SLOT = (1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0)
 # Rows of at most this many bytes per segment go through this kernel; wider
 # rows keep the column-block grid of ``move._move_rows_kernel``.
 NARROW_BYTES = 4096
@@ -151,7 +154,7 @@ class Segment:
     (the excess as zeros).
     """
 
-    __slots__ = ("src", "dst", "src_at", "dst_stride", "dst_base", "load_bytes", "store_bytes")
+    __slots__ = ("src", "dst", "src_at", "dst_stride", "dst_base", "load_bytes", "store_bytes", "_geo")
 
     def __init__(self, src, dst, src_at: Layout, dst_stride: int, load_bytes: int, *, dst_base: int = 0, store_bytes=None):
         self.src, self.dst, self.src_at = src, dst, src_at
@@ -166,15 +169,39 @@ class Segment:
         )  # fmt: skip
 
     def args(self) -> tuple[list, int]:
-        """Kernel arguments of this segment (pointers + constexprs) and its row bytes."""
-        w = self.word()
-        word = _WORD_DTYPES[w]
-        sp, sps, sts, sb = self.src_at.in_words(w)
-        sw = self.store_bytes // w
-        a, b, c = pieces(sw)
-        vals = [self.src.view(word), self.dst.view(word), sp, sps, sts, sb, self.dst_stride // w, self.dst_base // w]
-        vals += [self.load_bytes // w, sw, a, b, c]
-        return vals, self.store_bytes
+        """Kernel arguments of this segment (pointers + constexprs) and its row bytes.
+
+        The word size and constexprs depend only on the geometry and on the
+        tensors' alignments mod 8, so they are computed once per such key
+        (host time matters: these launches move a few MB at 32K tokens).
+        """
+        src, dst, at = self.src, self.dst, self.src_at
+        key = (
+            at.page, at.page_stride, at.tok_stride, at.base, self.dst_stride, self.dst_base,
+            self.load_bytes, self.store_bytes, _align(src), _align(dst),
+        )  # fmt: skip
+        geo = _GEOMETRY.get(key)
+        if geo is None:
+            w = self.word()
+            sp, sps, sts, sb = at.in_words(w)
+            sw = self.store_bytes // w
+            a, b, c = pieces(sw)
+            geo = _GEOMETRY[key] = (w, _WORD_DTYPES[w], [sp, sps, sts, sb, self.dst_stride // w, self.dst_base // w,
+                                                         self.load_bytes // w, sw, a, b, c])  # fmt: skip
+        w, word, consts = geo
+        self._geo = geo
+        if w == 1:
+            return [src, dst, *consts], self.store_bytes
+        return [src.view(word), dst.view(word), *consts], self.store_bytes
+
+
+# (geometry, alignments) -> (word bytes, word dtype, constexprs); few distinct entries per model
+_GEOMETRY: dict = {}
+
+
+def _align(t) -> tuple[int, int, int, int]:
+    """What :func:`move.word_size` looks at in a tensor, reduced mod 8."""
+    return t.data_ptr() % 8, t.storage_offset() % 8, t.stride(0) % 8, t.shape[-1] % 8
 
 
 def fits(*row_bytes: int) -> bool:
@@ -182,10 +209,15 @@ def fits(*row_bytes: int) -> bool:
     return 0 < len(row_bytes) <= MAX_SEGMENTS and all(0 < b <= NARROW_BYTES for b in row_bytes)
 
 
-def move_segments(segments: list[Segment], index, num_rows: int, mode: int) -> None:
-    """One launch moving every segment of ``num_rows`` rows (see the module docstring for ``mode``)."""
+def move_segments(segments: list[Segment], index, num_rows: int, mode: int):
+    """One launch moving every segment of ``num_rows`` rows (see the module docstring for ``mode``).
+
+    Returns what a caller needs to repeat the launch for the same geometry
+    (``grid, warps, trailing constexprs, per-segment (word, word dtype,
+    constexprs)``), or ``None`` when nothing was launched.
+    """
     if num_rows == 0 or not segments:
-        return
+        return None
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"cpgraph kernels: 1..{MAX_SEGMENTS} segments per launch, got {len(segments)}")
     flat: list = []
@@ -195,13 +227,17 @@ def move_segments(segments: list[Segment], index, num_rows: int, mode: int) -> N
         flat += vals
         row_bytes += nbytes
     for _ in range(MAX_SEGMENTS - len(segments)):  # unused slots: constexpr K disables them
-        flat += [flat[0], flat[1], 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0]
+        flat += [flat[0], flat[1], *UNUSED_SLOT]
     target = (1 << 22) if interpreting() else 16384  # bytes per program
     rows = 1 << max(0, (target // max(row_bytes, 1)).bit_length() - 1)
     rows = max(1, min(rows, 1024, triton.next_power_of_2(max(num_rows, 1))))
     warps = 8 if rows * row_bytes >= 8192 else 4
     if index is None:
         index = flat[0]  # never read in COPY mode
-    _segments_kernel[(triton.cdiv(num_rows, rows),)](
-        index, num_rows, *flat, MODE=mode, K=len(segments), ROWS=rows, num_warps=warps
-    )
+    grid = (triton.cdiv(num_rows, rows),)
+    tail = [mode, len(segments), rows]
+    _LAUNCH(grid, [index, num_rows, *flat, *tail], warps)
+    return grid, warps, tail, [seg._geo for seg in segments]
+
+
+_LAUNCH = Launcher(_segments_kernel)

@@ -382,3 +382,23 @@ def test_forced_reference_wins(providers_on_device, device, monkeypatch):
     monkeypatch.setenv("CPGRAPH_PROVIDERS", "take_rows:reference")
     assert active_provider("take_rows", device) == "reference"
     assert active_provider("paged_gather", device) == kernels.PROVIDER_NAME
+
+
+@pytest.mark.parametrize("width", [3, 40, 6000])
+def test_gather_skip_and_keep_ranges(device, width):
+    """``move_rows(..., skip=(lo, hi))``: rows sourced from [lo, hi) untouched; ``keep``: only those, shifted."""
+    src = _random((12, width), torch.uint8, seed=width)
+    index = torch.tensor([5, 0, 11, 3, 4, 7, 6, 2, 9, 1], dtype=torch.int64).to(DEV)
+    lo, hi = 4, 8
+    s, n = move.byte_rows(src), index.shape[0]
+    base = _random((n, width), torch.uint8, seed=width + 1)
+    skipped = base.clone()
+    move.move_rows(s, skipped, index, n, width, move.Layout(width), move.Layout(width), gather=True, skip=(lo, hi))
+    kept = base.clone()
+    move.move_rows(s[lo:hi], kept, index, n, width, move.Layout(width), move.Layout(width), gather=True,
+                   skip=(lo, hi), keep=True)  # fmt: skip
+    src_l, base_l = src.cpu().tolist(), base.cpu().tolist()
+    for t, g in enumerate(index.tolist()):
+        inside = lo <= g < hi
+        assert skipped[t].cpu().tolist() == (base_l[t] if inside else src_l[g])
+        assert kept[t].cpu().tolist() == (src_l[g] if inside else base_l[t])

@@ -73,6 +73,31 @@ def test_runs_per_request_chunks():
     assert sum(r[3] for r in runs) == 64
 
 
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", range(len(PLANS)))
+def test_send_blocks_and_receive_rule(k, cp):
+    """Blocks cover each rank's valid rows exactly (valid rows first); direct receive iff one run per peer."""
+    plan = _plan(k, cp)
+    runs = p2p.rerange_runs(plan)
+    blocks = p2p.send_blocks(runs, cp)
+    for q in range(cp):
+        kinds = plan.rank(q).row_kind.tolist()
+        valid = [j for j, kind in enumerate(kinds) if kind == 0]
+        if not valid:
+            assert blocks[q] is None
+        else:
+            assert blocks[q] == (0, len(valid)) and valid == list(range(len(valid)))
+    for rank in range(cp):
+        per_peer = [sum(1 for r in runs if r[0] == q) for q in range(cp) if q != rank]
+        assert p2p.receive_direct(runs, cp, rank) == all(c <= 1 for c in per_peer)
+
+
+def test_receive_rule_single_request_two_ranks():
+    """cp 2, one request: rank 0 gets rank 1's chunks 1-2 as one run (direct); rank 1 gets two runs (staged)."""
+    runs = p2p.rerange_runs(plan_prefill([0], [64], cp_size=2, page_size=4))
+    assert p2p.receive_direct(runs, 2, 0) and not p2p.receive_direct(runs, 2, 1)
+
+
 def test_runs_bad_input():
     with pytest.raises(ValueError, match="num_rows"):
         p2p.runs_from_rerange_index([0, 1], 0)
@@ -102,6 +127,9 @@ def job_rerange_p2p(ctx, k: int):
         got = p2p.rerange_p2p(rows, runs, dist.group.WORLD)
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (shape, dtype)
+        # with the device index: one placement launch per side (Triton, under the interpreter here)
+        got = p2p.rerange_p2p(rows, runs, dist.group.WORLD, num_out=index.shape[0], rerange_index=index)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (shape, dtype, "indexed")
     # provider entry point: runs attached to this index tensor; none attached -> all-gather path
     rows = _rows(plan, ctx.rank, (6,), torch.float32)
     want = cp_rerange_decomposed(rows, index, ctx.group_name, ctx.world_size)

@@ -130,3 +130,20 @@ def test_pack_and_place_match_reference(k, num_prefix):
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
+
+
+def test_pack_replays_recorded_plan():
+    """The second pack of a geometry replays the recorded launches: same bytes as the reference, new data."""
+    kmat._PACK_PLANS.clear()
+    g = torch.Generator().manual_seed(7)
+    for round_ in range(3):
+        cur = [
+            torch.randint(0, 256, (29, 656), generator=g).to(torch.uint8).to(DEV),
+            torch.randint(0, 256, (29, 128), generator=g).to(torch.uint8).to(DEV),
+            torch.rand(29, 1, generator=g).to(DEV),
+        ]
+        pre = [c[:6] for c in cur]
+        columns, row_bytes = omat.packed_columns(cur)
+        got = kmat.pack_rows(pre, cur, columns, row_bytes)
+        assert torch.equal(got.cpu(), omat.pack_reference(pre, cur, columns, row_bytes).cpu()), round_
+        assert len(kmat._PACK_PLANS) == 1  # recorded on the first call, replayed afterwards
