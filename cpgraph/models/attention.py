@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import cpgraph.ops.codecs  # noqa: F401  (registers mla_fp8_pack / mla_dense_pack)
+import cpgraph.ops.layer_events  # noqa: F401
 import cpgraph.ops.materialize  # noqa: F401
 import cpgraph.ops.rows  # noqa: F401
 
@@ -101,6 +102,8 @@ class MLAttention(nn.Module):
         # Write this forward's rows to the cache; build the full view from the
         # cached prefix (read from the pool) and the fresh rows (never re-read).
         fp8 = layout.kv_format == "fp8"
+        # Per-layer event points for the runtime (HiCache load-back waits, transfer hooks).
+        _ops.kv_layer_ready(mla_pool, self.layer_idx)
         record = _ops.mla_fp8_pack(c, k_pe) if fp8 else _ops.mla_dense_pack(c, k_pe)
         _ops.paged_store(mla_pool, record, meta.row_slots)
         (kv,) = _ops.kv_compose([_ops.paged_gather(mla_pool, meta.prefix_slots)], [record], meta.kv_source)
@@ -114,6 +117,7 @@ class MLAttention(nn.Module):
                 raise ValueError(f"layer {self.layer_idx} is a shared-indexer layer but no earlier layer ran one")
             topk = prev_topk
 
+        _ops.kv_layer_written(mla_pool, self.layer_idx)
         out_lat, _lse = _ops.sparse_mla(q_full, kv, topk, self.sm_scale, self.kv_lora)
         out = torch.einsum("mhl,hvl->mhv", out_lat, w_uv).reshape(M, H * self.v_dim)
         return self.o_proj(out), topk

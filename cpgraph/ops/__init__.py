@@ -5,7 +5,7 @@ Each op: a pure-shape fake rule, a torch reference that runs on CPU and CUDA,
 a contract docstring, and an entry in ``docs/ops.md``.
 """
 
-from . import codecs, collectives, indexer, materialize, paged, rows, sparse_mla  # noqa: F401
+from . import codecs, collectives, indexer, layer_events, materialize, paged, rows, sparse_mla  # noqa: F401
 from .providers import active_provider, register_provider, select, unregister_provider
 
 __all__ = ["register_provider", "unregister_provider", "select", "active_provider"]

@@ -1,0 +1,85 @@
+"""Per-layer KV event ops: hooks fire in program order, in eager mode and inside compiled graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import cpgraph.ops  # noqa: F401
+from cpgraph.models import tiny_model
+from cpgraph.models.prefill import make_layout
+from cpgraph.ops.layer_events import layer_hooks
+from cpgraph.passes import CPConfig, compile
+from cpgraph.runtime.engine import run_prefill
+
+ops = torch.ops.cpgraph
+
+
+@pytest.mark.parametrize("shape,layer", [((8, 4), 0), ((16, 3), 5), ((2, 656), 61)])
+def test_opcheck(shape, layer):
+    pool = torch.randn(shape) if len(shape) == 2 and shape[1] != 656 else torch.zeros(shape, dtype=torch.uint8)
+    opcheck(ops.kv_layer_ready.default, (pool, layer))
+    opcheck(ops.kv_layer_written.default, (pool, layer))
+
+
+def test_hooks_run_and_are_restored():
+    seen = []
+    pool = torch.zeros(4, 2)
+    ops.kv_layer_ready(pool, 3)  # no hook: nothing happens
+    with layer_hooks(on_ready=lambda i, p: seen.append(("ready", i)), on_written=lambda i, p: seen.append(("written", i))):
+        ops.kv_layer_ready(pool, 1)
+        ops.kv_layer_written(pool, 1)
+    ops.kv_layer_written(pool, 2)
+    assert seen == [("ready", 1), ("written", 1)]
+    assert torch.equal(pool, torch.zeros(4, 2))
+
+
+def test_bad_arguments():
+    with pytest.raises((ValueError, RuntimeError), match="pool"):
+        ops.kv_layer_ready([1, 2], 0)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_every_layer_fires_in_order_during_a_forward(backend):
+    torch._dynamo.reset()
+    model = tiny_model("tiny-glm5")
+    model.kv_layout = make_layout(model, "bf16", 16)
+    fn = model if backend == "eager" else compile(model, CPConfig(), backend=backend)
+    events = []
+    with layer_hooks(on_ready=lambda i, p: events.append(("ready", i)),
+                     on_written=lambda i, p: events.append(("written", i, float(p[:64].abs().sum())))):
+        run_prefill(lambda *a, **k: fn(*a, **k), model, [list(range(5, 30))], page_size=16)
+    n = model.config.num_hidden_layers
+    assert [e[:2] for e in events] == [(kind, i) for i in range(n) for kind in ("ready", "written")]
+    # The pool the hook sees already holds the layer's rows (slots 0..24 of page 0 here).
+    assert all(e[2] > 0 for e in events if e[0] == "written")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend,in_place", [("eager", True), ("inductor", True), ("aot_eager", False)])
+def test_which_backends_write_the_real_pool_before_the_hook(backend, in_place, monkeypatch):
+    """Eager and Inductor (reinplaced stores) write the runtime's own buffer by kv_layer_written;
+    aot_eager hands the hook a functional copy and writes the buffer back when the graph ends."""
+    from cpgraph.runtime import engine
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    model = tiny_model("tiny-glm5")
+    model.kv_layout = make_layout(model, "bf16", 16)
+    fn = model if backend == "eager" else compile(model, CPConfig(), backend=backend)
+    real = {}
+    original = engine.pool_tensors
+
+    def spy(pool, m):
+        real["mla"] = original(pool, m)[0]
+        return original(pool, m)
+
+    monkeypatch.setattr(engine, "pool_tensors", spy)
+    seen = []
+    with layer_hooks(on_written=lambda i, p: seen.append((p.data_ptr() == real["mla"][i].data_ptr(),
+                                                          bool(real["mla"][i][:25].abs().sum() > 0)))):
+        run_prefill(lambda *a, **k: fn(*a, **k), model, [list(range(5, 30))], page_size=16)
+    assert len(seen) == model.config.num_hidden_layers
+    assert all(same == in_place and written == in_place for same, written in seen)
+    torch._dynamo.reset()
