@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cpgraph.ops.layer_events import layer_hooks
 from cpgraph.plan import plan_prefill
 
 from .engine import _FORMATS, check_prompts, forward_batch, pool_config, pool_tensors
@@ -63,6 +64,7 @@ class _Request:
     prefix_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     prefix_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     locks: list = field(default_factory=list)
+    loads: list = field(default_factory=list)  # in-flight L2 -> L1 load-backs (per-layer events)
     device_hit: int = 0
     host_hit: int = 0
 
@@ -152,7 +154,7 @@ class CacheEngine:
                 if handle is None:
                     self.tree.dec_lock(run[-1])
                 else:
-                    handle.wait_all()  # the forward has no per-layer hook: wait every layer's event (stream order)
+                    req.loads.append(handle)  # layer L's compute waits for layer L's copy only (kv_layer_ready)
                     req.locks.append(run[-1])
                     nodes = nodes + run
                     req.host_hit = sum(n.num_pages for n in run) * ps
@@ -184,9 +186,16 @@ class CacheEngine:
             if progress:
                 progress(f"extend pass: {len(reqs)} request(s), {sum(extend)} token(s), cached prefix {sum(prefix)}")
             prefix_owners = [o[: p // ps] for o, p in zip(owners, prefix)]
-            out, meta = forward_batch(self.forward, plan, [r.tokens[p:] for r, p in zip(reqs, prefix)], tables,
-                                      prefix_owners, self.pools, self.model.device, rank=self.rank,
-                                      return_topk=return_topk)
+            loads = [h for r in reqs for h in r.loads]
+
+            def wait_for_layer(layer: int, pool=None) -> None:
+                for h in loads:
+                    h.wait_layer(layer)
+
+            with layer_hooks(on_ready=wait_for_layer if loads else None):
+                out, meta = forward_batch(self.forward, plan, [r.tokens[p:] for r, p in zip(reqs, prefix)], tables,
+                                          prefix_owners, self.pools, self.model.device, rank=self.rank,
+                                          return_topk=return_topk)
             allocated = []  # from here on the pages belong to the insert/free step
             new_nodes = []
             for r, p, table, own in zip(reqs, prefix, tables, owners):
