@@ -77,7 +77,7 @@ def overlap(lens, group: int, repeat: int) -> dict:
                              max_rooms=len(lens))
             for r, p in enumerate(prompts):
                 dec.open_room(r, len(p), [peer.address])
-            hooks = attach_layer_hooks(model, peer.manager) if ov else []
+            hooks = attach_layer_hooks(model, peer.manager, pool) if ov else []
             end = [0.0]
 
             def fwd(ids, meta, mla, index):

@@ -256,7 +256,7 @@ def _cmd_pd(args: argparse.Namespace) -> int:
     print(f"decode vs transformers 5.24 next-token logits: max |diff| {res.max_abs_diff:.3e} (tol {args.tol:g})")
     print(f"transfer: {res.bytes_sent} bytes sent in {res.transfer_seconds * 1e3:.2f} ms = {res.gbps:.3f} GB/s; "
           f"hidden behind the forward: {100 * res.hidden_share:.1f}% (tail {res.tail_sequential * 1e3:.2f} ms "
-          f"sequential -> {res.tail_overlap * 1e3:.2f} ms per-layer{', eager hooks' if args.cp == 1 else ', compiled: hooks at graph end'})")
+          f"sequential -> {res.tail_overlap * 1e3:.2f} ms per-layer)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"first_tokens": res.first_tokens, "max_abs_diff": res.max_abs_diff, "bytes_sent": res.bytes_sent,

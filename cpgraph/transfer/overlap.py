@@ -23,10 +23,13 @@ Protocol (the field notes' lessons, each one a rule here):
 * :meth:`drop` (abort) stops further submits and drains in-flight batches
   before returning, so the caller may free pages only after it.
 
-Hooks: :func:`attach_layer_hooks` registers ``nn.Module`` forward hooks on
-``model.model.layers[i]``.  They fire per layer in eager mode; under
-``torch.compile`` a hooked module is traced into the graph and the hooks run
-when the graph ends (no overlap), so overlap is measured in eager mode.
+Hooks: :func:`attach_layer_hooks` installs an ``on_written`` hook for the
+``cpgraph::kv_layer_written`` op that every attention layer calls right after
+its KV stores (``cpgraph.ops.layer_events``).  The op is opaque to the
+compiler, so the hook fires per layer, in program order, in eager mode and
+inside Inductor-compiled CP graphs alike (Inductor writes caches in place; a
+graph run without reinplacing is detected and falls back to sending after the
+forward, logged once).
 """
 
 from __future__ import annotations
@@ -204,9 +207,49 @@ class LayerTransferManager:
             t.join(timeout=2.0)
 
 
-def attach_layer_hooks(model, manager: LayerTransferManager) -> list:
-    """Forward hooks on ``model.model.layers[i]`` calling ``manager.on_layer_end(i)``; returns the handles."""
-    handles = []
-    for i, layer in enumerate(model.model.layers):
-        handles.append(layer.register_forward_hook(lambda mod, args, out, i=i: manager.on_layer_end(i)))
-    return handles
+class _LayerHookHandle:
+    """Keeps the per-layer ``on_written`` hook installed until ``remove()``.
+
+    ``pools[L]`` is the runtime's MLA buffer of layer L (the memory registered
+    with the transfer engine).  A graph run without reinplacing (``aot_eager``)
+    hands the hook a functional copy and writes the buffer back only at graph
+    end; such a layer is not enqueued here, so ``finish`` sends it after the
+    forward (correct, no overlap) -- logged once.
+    """
+
+    def __init__(self, manager: "LayerTransferManager", pools):
+        from cpgraph.ops.layer_events import layer_hooks
+
+        self._manager = manager
+        self._pools = pools
+        self._warned = False
+        self._installed = layer_hooks(on_written=self._on_written)
+        self._installed.__enter__()
+
+    def _on_written(self, layer: int, pool) -> None:
+        if self._pools is not None and pool.data_ptr() != self._pools[layer].data_ptr():
+            if not self._warned:
+                self._warned = True
+                log.warning("cpgraph transfer: the forward writes KV through a functional copy (a graph run without "
+                            "reinplacing, e.g. aot_eager); layers are sent after the forward, without overlap")
+            return
+        self._manager.on_layer_end(layer)
+
+    def remove(self) -> None:
+        if self._installed is not None:
+            self._installed.__exit__(None, None, None)
+            self._installed = None
+
+
+def attach_layer_hooks(model, manager: LayerTransferManager, pool=None) -> list:
+    """Call ``manager.on_layer_end(L)`` when layer ``L`` of ``model`` has written its KV; returns the handles.
+
+    Works for eager and Inductor-compiled forwards (see the module docstring).
+    ``pool``: the runtime's :class:`~cpgraph.runtime.kv_pool.KVPool` whose
+    buffers are being sent, to detect a forward that writes through
+    functional copies (such layers are left to ``finish``).
+    """
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        raise ValueError("attach_layer_hooks needs a cpgraph DSA model (model.model.layers)")
+    buffers = None if pool is None else [pool.mla_pool(i) for i in range(len(model.model.layers))]
+    return [_LayerHookHandle(manager, buffers)]

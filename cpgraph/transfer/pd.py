@@ -118,7 +118,7 @@ def _prefill_rank(rank: int, spec: PDSpec, port: int, addr_q, out_q, rooms_pass)
         B = len(spec.prompts)
         tails = []
         for k, (pool, peer, overlap) in enumerate(zip(pools, peers, (False, True))):
-            hooks = attach_layer_hooks(model, peer.manager) if overlap else []
+            hooks = attach_layer_hooks(model, peer.manager, pool) if overlap else []
             tail = [0.0]
 
             def timed(ids, meta, mla, index):

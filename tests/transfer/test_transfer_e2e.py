@@ -67,7 +67,7 @@ def test_cp1_transfer_and_decode(model, chunk, prefix, overlap):
     dec = DecodeSide(KVPool(pool_config(model, "bf16", PS, 16, 0)))
     pool = make_pool(model, prompts, prefix_lens=prefix, chunk_tokens=chunk, page_size=PS)
     peer = PrefillPeer(pool, 0, group=2)
-    hooks = attach_layer_hooks(model, peer.manager) if overlap else []
+    hooks = attach_layer_hooks(model, peer.manager, pool) if overlap else []
     try:
         tabs = [dec.open_room(r, len(p), [peer.address]) for r, p in enumerate(prompts)]
         res = prefill_and_send(_fwd(model), model, prompts, prefix_lens=prefix, chunk_tokens=chunk, page_size=PS,
