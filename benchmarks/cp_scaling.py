@@ -122,8 +122,6 @@ def _worker(rank, cp, args, port, queue):
             "case": label, "tokens": T, "ms": ms, "comm_share": comm, "move_share": move,
             "kv_bytes": owned * pool.bytes_per_page(), "replicated_bytes": total_pages * pool.bytes_per_page(),
         })
-        del pool, mla, index
-        torch.cuda.empty_cache()
     dist.barrier()
     queue.put(result)
     dist.destroy_process_group()

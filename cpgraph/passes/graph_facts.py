@@ -11,9 +11,8 @@ from collections import deque
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import find_nodes, is_op, op_name, op_of
+from .fx_utils import is_op, op_name, op_of
 
 # Indexer ops and where their (ks, ke) window arguments sit.
 _WINDOW_ARGS = {
@@ -83,13 +82,6 @@ def list_outputs(node: fx.Node) -> dict[int, fx.Node]:
     return out
 
 
-def same_size(a, b) -> bool:
-    """Sizes known equal at compile time (ints or symbols)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return statically_known_true(a == b)
-
-
 def module_regions(graph: fx.Graph, class_names: tuple[str, ...]) -> dict[str, list[fx.Node]]:
     """Nodes grouped by the innermost enclosing module whose class is in ``class_names``.
 
@@ -131,6 +123,3 @@ def tensor_val(node) -> torch.Tensor | None:
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
 
-
-def nodes_running(graph: fx.Graph, *names: str) -> list[fx.Node]:
-    return find_nodes(graph, *names)

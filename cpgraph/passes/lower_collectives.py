@@ -18,7 +18,6 @@ Before::                                       After::
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
