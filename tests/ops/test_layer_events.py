@@ -64,7 +64,6 @@ def test_which_backends_write_the_real_pool_before_the_hook(backend, in_place, m
     from cpgraph.runtime import engine
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     model = tiny_model("tiny-glm5")
     model.kv_layout = make_layout(model, "bf16", 16)
     fn = model if backend == "eager" else compile(model, CPConfig(), backend=backend)
@@ -77,8 +76,11 @@ def test_which_backends_write_the_real_pool_before_the_hook(backend, in_place, m
 
     monkeypatch.setattr(engine, "pool_tensors", spy)
     seen = []
-    with layer_hooks(on_written=lambda i, p: seen.append((p.data_ptr() == real["mla"][i].data_ptr(),
-                                                          bool(real["mla"][i][:25].abs().sum() > 0)))):
+    record = lambda i, p: seen.append(  # noqa: E731
+        (p.data_ptr() == real["mla"][i].data_ptr(), bool(real["mla"][i][:25].abs().sum() > 0))
+    )
+    # torch config modules patch themselves (pytest's monkeypatch would hide the option on undo).
+    with torch._inductor.config.patch(fx_graph_cache=False), layer_hooks(on_written=record):
         run_prefill(lambda *a, **k: fn(*a, **k), model, [list(range(5, 30))], page_size=16)
     assert len(seen) == model.config.num_hidden_layers
     assert all(same == in_place and written == in_place for same, written in seen)

@@ -34,12 +34,13 @@ PREFIX = [16, 0, 32]
 
 
 @pytest.fixture(autouse=True)
-def _no_caches(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+def _no_caches():
+    # torch's config modules patch themselves; pytest's monkeypatch would delete (hide) the
+    # option on undo, since it is served by the module's __getattr__.
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        yield
+        torch._dynamo.reset()
 
 
 def two_layer_model():

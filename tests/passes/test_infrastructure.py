@@ -69,7 +69,7 @@ def test_dce_keeps_mutating_custom_op():
     assert c["aten.index_copy_"] == 1 and c["aten.neg"] == 0
 
 
-def test_host_sync_lint_names_the_node(monkeypatch):
+def test_host_sync_lint_names_the_node():
     gm = make_graph(lambda x: x[x > 0], torch.randn(5))  # boolean-mask indexing
     with pytest.raises(HostSyncError, match="aten.index"):
         reject_host_syncs(gm)
@@ -80,11 +80,11 @@ def test_host_sync_lint_names_the_node(monkeypatch):
         torch._check(n <= x.shape[0])
         return x[:n] * 2
 
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
     torch._dynamo.reset()
-    compiled = compile(f, backend="aot_eager")
-    with pytest.raises(Exception, match="node '_local_scalar_dense' runs aten._local_scalar_dense"):
-        compiled(torch.randn(4), torch.tensor([1, 2]))
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = compile(f, backend="aot_eager")
+        with pytest.raises(Exception, match="node '_local_scalar_dense' runs aten._local_scalar_dense"):
+            compiled(torch.randn(4), torch.tensor([1, 2]))
     torch._dynamo.reset()
 
 
@@ -156,7 +156,7 @@ def test_disable_by_name_and_unknown_name():
         build_pass_manager(CPConfig(disabled_passes=("no_such_pass",)))
 
 
-def test_inductor_backend_runs_passes_and_absorbs_user_pass(monkeypatch):
+def test_inductor_backend_runs_passes_and_absorbs_user_pass(request):
     seen = []
 
     class UserPass:
@@ -166,8 +166,9 @@ def test_inductor_backend_runs_passes_and_absorbs_user_pass(monkeypatch):
         def uuid(self):
             return "user"
 
-    monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", UserPass())
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    patch = inductor_config.patch(post_grad_custom_pre_pass=UserPass(), fx_graph_cache=False)
+    patch.__enter__()
+    request.addfinalizer(lambda: patch.__exit__(None, None, None))
     torch._dynamo.reset()
     fn = compile(lambda x, i: ops.take_rows(x, i).sin(), backend="inductor")
     x, i = torch.randn(6, 3), torch.tensor([5, -1, 0])
