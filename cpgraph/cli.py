@@ -55,6 +55,20 @@ def _read_prompts(path: str) -> list[list[int]]:
     return data
 
 
+def _print_top(args, prompts, prefix, logits) -> list[list[int]]:
+    """Print each prompt's top last-token ids; returns them."""
+    top = logits.topk(min(args.top, logits.shape[1]), dim=-1).indices.tolist()
+    for i, (p, ids) in enumerate(zip(prompts, top)):
+        print(f"prompt {i}: {len(p)} tokens (prefix {prefix[i]}): top ids {ids}")
+    return top
+
+
+def _run_payload(args, prompts, prefix, logits, top, **extra) -> dict:
+    """The ``--json`` document: the same keys with or without ``--cp``, plus run-specific extras."""
+    return {"logits": logits.tolist(), "tokens": prompts, "top_ids": top, "model": str(args.model),
+            "kv_format": args.kv_format, "prefix_lens": prefix, **extra}
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import time
 
@@ -103,25 +117,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         kv_bytes = max(kv_bytes, res.kv_bytes)
     elapsed = time.perf_counter() - t0
     out = torch.cat(logits)
-    top = out.topk(min(args.top, out.shape[1]), dim=-1).indices.tolist()
-    for i, (p, ids) in enumerate(zip(prompts, top)):
-        print(f"prompt {i}: {len(p)} tokens (prefix {prefix[i]}): top ids {ids}")
+    top = _print_top(args, prompts, prefix, out)
     tokens = sum(len(p) for p in prompts)
     print(
         f"{len(prompts)} prompts, {tokens} tokens in {elapsed:.3f} s ({tokens / max(elapsed, 1e-9):.0f} tok/s); "
         f"KV cache {args.kv_format}: {kv_bytes} bytes used (largest batch)"
     )
     if args.json:
-        payload = {
-            "logits": out.tolist(),
-            "tokens": prompts,
-            "top_ids": top,
-            "model": str(args.model),
-            "kv_format": args.kv_format,
-            "prefix_lens": prefix,
-            "kv_bytes": kv_bytes,
-            "seconds": elapsed,
-        }
+        payload = _run_payload(args, prompts, prefix, out, top, kv_bytes=kv_bytes, seconds=elapsed)
         with open(args.json, "w") as f:
             json.dump(payload, f)
         progress(f"wrote {args.json}")
@@ -191,9 +194,7 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
                      write_policy=args.write_policy)
     res = run_cp(spec)
     out = res.logits
-    top = out.topk(min(args.top, out.shape[1]), dim=-1).indices.tolist()
-    for i, (p, ids) in enumerate(zip(prompts, top)):
-        print(f"prompt {i}: {len(p)} tokens (prefix {prefix[i]}): top ids {ids}")
+    top = _print_top(args, prompts, prefix, out)
     diff = (out - res.reference).abs().max().item()
     rel = diff / max(res.reference.abs().max().item(), 1e-30)
     same = torch.equal(out, res.reference)
@@ -205,21 +206,9 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
         print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(res.replicated_bytes, 1):.3f} of a replicated cache "
               f"({res.replicated_bytes} bytes)")
     if args.json:
-        payload = {
-            "logits": out.tolist(),
-            "tokens": prompts,
-            "top_ids": top,
-            "model": str(args.model),
-            "kv_format": args.kv_format,
-            "prefix_lens": prefix,
-            "cp": args.cp,
-            "device": args.device,
-            "backend": backend,
-            "max_abs_diff_vs_single_device": diff,
-            "kv_bytes_per_rank": res.kv_bytes_per_rank,
-            "replicated_kv_bytes": res.replicated_bytes,
-            "seconds": res.seconds,
-        }
+        payload = _run_payload(args, prompts, prefix, out, top, cp=args.cp, device=args.device, backend=backend,
+                               max_abs_diff_vs_single_device=diff, kv_bytes_per_rank=res.kv_bytes_per_rank,
+                               replicated_kv_bytes=res.replicated_bytes, seconds=res.seconds)
         if res.cache is not None:
             payload.update(second_pass_logits=res.cache["second"].tolist(), hits=res.cache["hits"],
                            evicted_pages=res.cache["evicted_pages"], hicache=res.cache["hicache"])

@@ -106,7 +106,7 @@ def build_batch(
     if len(page_tables) != B or plan.num_requests != B:
         raise ValueError(f"tokens ({B}), page_tables ({len(page_tables)}) and the plan must describe the same requests")
     ps, cp = plan.page_size, plan.cp_size
-    prefix_pages = (plan.prefix_lens // ps).tolist()
+    prefix_pages = (plan.prefix_lens // ps).tolist()  # sync-ok: host-side numpy, once per batch
     if prefix_page_owners is None:
         if cp != 1 and any(prefix_pages):
             raise ValueError("prefix_page_owners is required for a CP plan with cached prefixes")
