@@ -1,4 +1,4 @@
-"""Record codecs: the byte layouts of the KV cache (DOMAIN.md section 2).
+"""Record codecs: the byte layouts of the KV cache (docs/ops/codecs.md).
 
 Two quantised layouts exist and both are *bit-exact contracts*, because the
 bytes written here are read by production kernels (FlashMLA, DeepGEMM), sent
