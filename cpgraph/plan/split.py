@@ -13,8 +13,8 @@ an expensive late one, so every rank does about the same attention work.
 Why page-aligned and per request: a KV page must have exactly one compute
 owner, otherwise two ranks would write (or neither would own) the same page.
 Splitting a batch as one long sequence would cut pages of one request at
-another request's boundary and mix top-k ranges, which the field notes show
-is a source of silent corruption.
+another request's boundary and mix top-k ranges: the output stays plausible
+but is silently wrong.
 """
 
 from __future__ import annotations
