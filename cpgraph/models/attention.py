@@ -1,6 +1,6 @@
 """MLA attention in absorbed form, restricted to the indexer's top-k keys.
 
-Per layer (DOMAIN.md section 1):
+Per layer (the model math is in docs/models.md):
 
 * queries: ``q = q_b(rmsnorm(q_a(x)))`` -> per head ``[q_nope | q_pe]``; RoPE on
   ``q_pe``; ``q_nope`` is absorbed into the latent space with ``W_UK`` so a
