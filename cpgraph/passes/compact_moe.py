@@ -2,8 +2,8 @@
 
 A rank's compute rows include dummies (CP compute padding, static padding).
 MoE routing must see only real rows: a dummy row routed to an expert would
-consume that expert's capacity in a token-dispatch implementation, and the
-field notes record exactly that corrupting tiny-extend batches.  The model's
+consume that expert's capacity in a token-dispatch implementation and can
+push real rows out, which corrupts tiny-extend batches (docs/contracts.md).  The model's
 MoE is written for one device and knows nothing of padding; this pass wraps
 every MoE module's region (found by module class through
 ``nn_module_stack``, ``CPConfig.moe_modules``) with the static-shape
