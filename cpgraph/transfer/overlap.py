@@ -1,6 +1,6 @@
 """Per-layer overlap: send layer L's pages while layers L+1.. still compute.
 
-Protocol (the field notes' lessons, each one a rule here):
+Protocol (each rule closes a way for a transfer to hang, drop or duplicate a layer):
 
 * the forward thread calls :meth:`LayerTransferManager.on_layer_end` after
   layer L wrote its KV; every ``group`` layers it records ONE event (CUDA:
