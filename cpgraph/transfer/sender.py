@@ -6,7 +6,7 @@ logical page it owns and ``-1`` for the others, so "owned pages" is simply
 page_end)`` of the *whole request* (absolute: chunk N starts at
 ``start_token // page_size``, never 0), and decode's ``dst_pages`` is
 indexed by that same absolute position -- a chunk-local index would write
-chunk N over chunk 0 (the field notes' chunked-prefill corruption).
+chunk N over chunk 0 and corrupt chunked prefill.
 
 Runs of pages that are consecutive on both sides become one block; blocks
 are cut into batches of at most ``max_batch_bytes`` so one submit never
