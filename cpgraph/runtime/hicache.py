@@ -4,8 +4,8 @@ Each rank backs up and loads back only the pages it owns.  A node's page
 *owner sequence* is saved in the radix node (``CPNodeMeta.page_owners``) and
 load-back allocates device pages with ``alloc_pages_with_owners(saved
 owners)``, so every rank's bytes land in a page that the same rank owns in
-the new layout.  The field notes' garbage-output bug came from loading with
-a plain allocation: ranks then wrote their bytes into pages whose logical
+the new layout.  Loading with a plain allocation produces garbage output:
+ranks then write their bytes into pages whose logical
 position another rank owned.  So there is no plain-allocation fallback: an
 owner-lane deficit evicts from that lane and retries once, then the request
 degrades to a cache miss (recompute), visibly counted.
