@@ -6,7 +6,7 @@ load-back allocates device pages with ``alloc_pages_with_owners(saved
 owners)``, so every rank's bytes land in a page that the same rank owns in
 the new layout.  Loading with a plain allocation produces garbage output:
 ranks then write their bytes into pages whose logical
-position another rank owned.  So there is no plain-allocation fallback: an
+position another rank owns.  So there is no plain-allocation fallback: an
 owner-lane deficit evicts from that lane and retries once, then the request
 degrades to a cache miss (recompute), visibly counted.
 
