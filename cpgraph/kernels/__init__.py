@@ -32,6 +32,7 @@ else:
 def providers() -> dict:
     """Op name -> Triton launcher (each takes the op's arguments, returns what the reference returns)."""
     from . import codecs, materialize, move
+    from . import moe
 
     return {
         "take_rows": move.take_rows,
@@ -48,6 +49,7 @@ def providers() -> dict:
         "mla_fp8_unpack": codecs.mla_fp8_unpack,
         "cp_materialize_kv_pack": materialize.pack_rows,
         "cp_materialize_kv_place": materialize.place_rows,
+        "moe_experts": moe.moe_experts,
     }
 
 
