@@ -70,6 +70,7 @@ def register_triton_providers(device_types=("cuda",)) -> list[str]:
         for op, fn in table.items():
             register_provider(op, device_type, PROVIDER_NAME, fn)
     register_rerange_p2p(device_types)
+    register_sparse_mla(device_types)
     return list(table)
 
 
@@ -99,8 +100,33 @@ def unregister_triton_providers(device_types=("cuda",)) -> None:
         for op in providers():
             if active_provider(op, device_type) == PROVIDER_NAME:
                 unregister_provider(op, device_type)
+    unregister_sparse_mla(device_types)
+
+
+def register_sparse_mla(device_types=("cuda",)) -> None:
+    """Triton ``sparse_mla`` / ``sparse_mla_fp8``; on CUDA, FlashMLA then takes ``sparse_mla`` where it imports.
+
+    Kept out of :func:`providers` because the CUDA provider of ``sparse_mla``
+    may be FlashMLA (name ``"flash_mla"``, see :mod:`.flash_mla`), not Triton.
+    """
+    from cpgraph.ops.providers import register_provider
+
+    from . import flash_mla, sparse_mla
+
+    for device_type in device_types:
+        register_provider("sparse_mla", device_type, PROVIDER_NAME, sparse_mla.sparse_mla)
+        register_provider("sparse_mla_fp8", device_type, PROVIDER_NAME, sparse_mla.sparse_mla_fp8)
+    flash_mla.register(device_types)
+
+
+def unregister_sparse_mla(device_types=("cuda",)) -> None:
+    from cpgraph.ops.providers import unregister_provider
+
+    for device_type in device_types:
+        unregister_provider("sparse_mla", device_type)
+        unregister_provider("sparse_mla_fp8", device_type)
 
 
 REGISTERED = register_triton_providers()
 
-__all__ = ["register_triton_providers", "register_rerange_p2p", "unregister_triton_providers", "providers", "PROVIDER_NAME", "REGISTERED"]
+__all__ = ["register_sparse_mla", "unregister_sparse_mla", "register_triton_providers", "register_rerange_p2p", "unregister_triton_providers", "providers", "PROVIDER_NAME", "REGISTERED"]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_same_device, check_tensor
+from .codecs import MLA_FP8_LATENT, MLA_FP8_RECORD_BYTES, MLA_FP8_ROPE, mla_fp8_unpack_reference
 from .providers import select
 
 _INDEX = (torch.int64, torch.int32)
@@ -46,14 +47,18 @@ def _check_sparse_mla(q: Tensor, kv: Tensor, idx: Tensor, sm_scale, d_v) -> None
         raise ValueError(f"cpgraph.sparse_mla: argument 'd_v' must be an int in [1, D={d}], got {d_v!r}")
 
 
-def _attend_chunk(q: Tensor, kv: Tensor, idx: Tensor, sm_scale: float, d_v: int) -> tuple[Tensor, Tensor]:
-    """fp32 ``(out [r, H, d_v], lse [r, H])`` for one row chunk; each listed valid entry is one term."""
+def _attend_chunk(q: Tensor, kv: Tensor, idx: Tensor, sm_scale: float, d_v: int, gather=None) -> tuple[Tensor, Tensor]:
+    """fp32 ``(out [r, H, d_v], lse [r, H])`` for one row chunk; each listed valid entry is one term.
+
+    ``gather(safe_ids)`` returns the fp32 key rows ``[len, D]`` of in-range
+    ids (default: rows of ``kv``); the FP8 op passes a dequantising gather.
+    """
     n = kv.shape[0]
     r, k = idx.shape
     idx = idx.long()
     valid = (idx >= 0) & (idx < n)  # [r, k]
     safe = torch.where(valid, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
-    rows = kv.index_select(0, safe.view(-1)).view(r, k, kv.shape[1]).float()  # [r, k, D]
+    rows = (kv.index_select(0, safe.view(-1)).float() if gather is None else gather(safe.view(-1))).view(r, k, -1)
     scores = torch.einsum("rhd,rkd->rhk", q.float(), rows) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
@@ -65,7 +70,7 @@ def _attend_chunk(q: Tensor, kv: Tensor, idx: Tensor, sm_scale: float, d_v: int)
     return out, lse
 
 
-def sparse_mla_reference(q, kv, idx, sm_scale, d_v):
+def _reference(q, kv, idx, sm_scale, d_v, gather=None):
     m, h, d = q.shape
     out = torch.empty((m, h, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((m, h), dtype=torch.float32, device=q.device)
@@ -77,10 +82,14 @@ def sparse_mla_reference(q, kv, idx, sm_scale, d_v):
     rows = sparse_mla_chunk_rows(h, topk, d)
     for a in range(0, m, rows):
         b = min(m, a + rows)
-        o, l = _attend_chunk(q[a:b], kv, idx[a:b], sm_scale, d_v)
+        o, l = _attend_chunk(q[a:b], kv, idx[a:b], sm_scale, d_v, gather)
         out[a:b] = o.to(q.dtype)
         lse[a:b] = l
     return out, lse
+
+
+def sparse_mla_reference(q, kv, idx, sm_scale, d_v):
+    return _reference(q, kv, idx, sm_scale, d_v)
 
 
 @torch.library.custom_op("cpgraph::sparse_mla", mutates_args=())
@@ -106,5 +115,56 @@ def sparse_mla(q: Tensor, kv: Tensor, idx: Tensor, sm_scale: float, d_v: int) ->
 @sparse_mla.register_fake
 def _sparse_mla_fake(q, kv, idx, sm_scale, d_v):
     _check_sparse_mla(q, kv, idx, sm_scale, d_v)
+    m, h, _ = q.shape
+    return q.new_empty((m, h, d_v)), q.new_empty((m, h), dtype=torch.float32)
+
+
+# --------------------------------------------------------- FP8 record keys
+def _check_sparse_mla_fp8(q: Tensor, records: Tensor, idx: Tensor, sm_scale, d_v) -> None:
+    op = "sparse_mla_fp8"
+    check_tensor(op, "q", q, dtype=_FLOAT, ndim=3, shape=(None, None, MLA_FP8_LATENT + MLA_FP8_ROPE))
+    m = q.shape[0]
+    check_tensor(op, "records", records, dtype=torch.uint8, shape=(None, MLA_FP8_RECORD_BYTES))
+    check_tensor(op, "idx", idx, dtype=_INDEX, ndim=2, shape=(m, None))
+    check_same_device(op, q=q, records=records, idx=idx)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise ValueError(f"cpgraph.sparse_mla_fp8: argument 'sm_scale' must be a float, got {sm_scale!r}")
+    d = MLA_FP8_LATENT + MLA_FP8_ROPE
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or d_v < 1 or d_v > d:
+        raise ValueError(f"cpgraph.sparse_mla_fp8: argument 'd_v' must be an int in [1, {d}], got {d_v!r}")
+
+
+def _dequantize_records(records: Tensor, ids: Tensor) -> Tensor:
+    """fp32 ``[len(ids), 576]`` key rows of the records ``ids`` (exact: e4m3 times a power of two)."""
+    return mla_fp8_unpack_reference(records.index_select(0, ids), torch.float32)
+
+
+def sparse_mla_fp8_reference(q, records, idx, sm_scale, d_v):
+    return _reference(q, records, idx, sm_scale, d_v, gather=lambda ids: _dequantize_records(records, ids))
+
+
+@torch.library.custom_op("cpgraph::sparse_mla_fp8", mutates_args=())
+def sparse_mla_fp8(q: Tensor, records: Tensor, idx: Tensor, sm_scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+    """:func:`sparse_mla` with keys read straight from a pool of 656-byte FP8 MLA records.
+
+    ``records`` ``uint8 [S, 656]`` is the slot-major FP8 MLA pool (or any
+    set of records), ``idx`` names record rows (PAGED slot ids when the pool
+    is passed as it lives), ``q`` ``[M, H, 576]``.  Key row ``t`` is the
+    record's dequantised ``[latent (512) | k_pe (64)]`` in fp32 -- exact,
+    since e4m3 times a power-of-two scale is representable -- so the result
+    equals ``sparse_mla(q, mla_fp8_unpack(records, float32), idx, ...)``
+    computed without materialising the unpacked pool.  Why: a prefill that
+    keeps the FP8 cache need not unpack the whole view per layer (576 bf16
+    per token written and read again) to use 2048 keys per row.  Same
+    validity, empty-row (``out = 0``, ``lse = +inf``) and lse rules as
+    :func:`sparse_mla`.
+    """
+    _check_sparse_mla_fp8(q, records, idx, sm_scale, d_v)
+    return select("sparse_mla_fp8", q.device.type, sparse_mla_fp8_reference)(q, records, idx, float(sm_scale), d_v)
+
+
+@sparse_mla_fp8.register_fake
+def _sparse_mla_fp8_fake(q, records, idx, sm_scale, d_v):
+    _check_sparse_mla_fp8(q, records, idx, sm_scale, d_v)
     m, h, _ = q.shape
     return q.new_empty((m, h, d_v)), q.new_empty((m, h), dtype=torch.float32)

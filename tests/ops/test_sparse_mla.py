@@ -219,3 +219,58 @@ def test_error_device_mix():
     q, kv, idx = _good()
     with pytest.raises(ValueError, match="one device"):
         ops.sparse_mla(q, kv.to("meta"), idx, 1.0, 4)
+
+
+# ---------------------------------------------------------- sparse_mla_fp8
+def fp8_records(seed, N):
+    g = torch.Generator().manual_seed(seed)
+    return ops.mla_fp8_pack(torch.randn(N, 512, generator=g) * 3.0, torch.randn(N, 64, generator=g))
+
+
+@pytest.mark.parametrize("dtype,d_v", [(torch.float32, 512), (torch.bfloat16, 512), (torch.float32, 100)])
+def test_fp8_records_equal_attention_over_unpacked_rows(dtype, d_v):
+    """Keys from records == keys from mla_fp8_unpack(records, float32): dequantisation is exact."""
+    records = fp8_records(0, 9)
+    q, _, idx = random_case(1, 4, 2, 576, 9, 7, d_v, dtype)
+    idx[3] = -1
+    out, lse = ops.sparse_mla_fp8(q, records, idx, 0.05, d_v)
+    want_out, want_lse = ops.sparse_mla(q.float(), ops.mla_fp8_unpack(records, torch.float32), idx, 0.05, d_v)
+    torch.testing.assert_close(out.float(), want_out.to(dtype).float(), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.isposinf(lse[3]).all()
+
+
+def test_fp8_records_match_loops():
+    records = fp8_records(2, 6)
+    q, _, idx = random_case(3, 3, 2, 576, 6, 5, 512)
+    q = q * 0.05
+    out, lse = ops.sparse_mla_fp8(q, records, idx, 192**-0.5, 512)
+    want_out, want_lse = brute_sparse_mla(q, ops.mla_fp8_unpack(records, torch.float32), idx, 192**-0.5, 512)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,N,topk", [(3, 5, 4), (1, 0, 3), (2, 7, 0)])
+def test_opcheck_sparse_mla_fp8(M, N, topk):
+    records = fp8_records(4, N) if N else torch.zeros(0, 656, dtype=torch.uint8)
+    q, _, idx = random_case(5, M, 2, 576, max(N, 1), topk, 512, torch.bfloat16)
+    torch.library.opcheck(ops.sparse_mla_fp8.default, (q, records, idx, 0.1, 512))
+    torch.library.opcheck(ops.sparse_mla_fp8.default, (q.float(), records, idx.long(), 0.1, 64))
+
+
+def test_fp8_errors():
+    records = fp8_records(6, 4)
+    q = torch.randn(2, 2, 576)
+    idx = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'records'"):
+        ops.sparse_mla_fp8(q, records[:, :600], idx, 1.0, 512)
+    with pytest.raises(ValueError, match="'records'"):
+        ops.sparse_mla_fp8(q, records.view(torch.int8), idx, 1.0, 512)
+    with pytest.raises(ValueError, match="'q'"):
+        ops.sparse_mla_fp8(q[:, :, :512], records, idx, 1.0, 512)
+    with pytest.raises(ValueError, match="'idx'"):
+        ops.sparse_mla_fp8(q, records, idx[:1], 1.0, 512)
+    with pytest.raises(ValueError, match="'d_v'"):
+        ops.sparse_mla_fp8(q, records, idx, 1.0, 577)
+    with pytest.raises(ValueError, match="one device"):
+        ops.sparse_mla_fp8(q, records.to("meta"), idx, 1.0, 512)
