@@ -4,7 +4,9 @@ One code path serves a single device (``cp_size == 1``, the eager model or a
 compiled one) and every rank of a CP group (the model compiled with the CP
 passes).  Per call:
 
-1. validate the prompts and cached-prefix lengths (page multiples);
+1. validate the prompts and cached-prefix lengths (page multiples) with
+   :func:`cpgraph.runtime.inputs.check_prompts`, the check the CLI runs
+   before spawning ranks;
 2. plan the prefix pass (prompts' cached prefixes, computed first) and the
    extend pass with :func:`cpgraph.plan.plan_prefill`; every rank derives
    the same plans and therefore the same page owners;
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from cpgraph.plan import plan_prefill
 
+from .inputs import check_prompts  # the transfer driver and cache engine import it from here too
 from .kv_pool import KVPool, KVPoolConfig
 
 _FORMATS = {"bf16": "dense", "dense": "dense", "fp8": "fp8"}
@@ -43,34 +46,6 @@ class EngineResult:
     pool_bytes: int = 0  # bytes this rank's pool allocated (== kv_bytes: the pool holds only owned pages)
     topk: list[Tensor] | None = None
     meta: object | None = None  # extend pass BatchMeta
-
-
-def check_prompts(token_lists, prefix_lens, page_size: int, vocab: int) -> tuple[list[list[int]], list[int]]:
-    """Validate prompts and prefix lengths; returns plain int lists."""
-    if not isinstance(token_lists, (list, tuple)) or not token_lists:
-        raise ValueError("token_lists must be a non-empty list of token-id lists")
-    lists = []
-    for i, t in enumerate(token_lists):
-        if isinstance(t, Tensor):
-            t = t.tolist()  # sync-ok (host input)
-        t = list(t)
-        if not t:
-            raise ValueError(f"prompt {i} is empty")
-        for v in t:
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
-                raise ValueError(f"prompt {i}: token {v!r} is not an int in [0, {vocab})")
-        lists.append(t)
-    prefix = [0] * len(lists) if prefix_lens is None else list(prefix_lens)
-    if len(prefix) != len(lists):
-        raise ValueError(f"prefix_lens has {len(prefix)} entries for {len(lists)} prompts")
-    for i, (p, t) in enumerate(zip(prefix, lists)):
-        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
-            raise ValueError(f"prefix_lens[{i}] must be an int >= 0, got {p!r}")
-        if p % page_size:
-            raise ValueError(f"prefix_lens[{i}]={p} is not a multiple of the page size {page_size}")
-        if p >= len(t):
-            raise ValueError(f"prefix_lens[{i}]={p} leaves no tokens to extend (prompt has {len(t)})")
-    return lists, prefix
 
 
 def pool_config(model, kv_format: str, page_size: int, num_pages: int, rank: int = 0) -> KVPoolConfig:

@@ -1,0 +1,209 @@
+"""Validation of a prefill request before any process is spawned or any model compiled.
+
+Why one module: ``cpgraph run``, ``cpgraph run --cp N`` and ``cpgraph pd``
+feed the same prompts, cached-prefix lengths and batch shape to code that
+runs in spawned ranks.  A bad input caught there costs a model compile per
+rank and surfaces as one traceback per process; caught here, in the parent,
+it is one line before anything starts.  The prefill engine calls
+:func:`check_prompts` too, so a library caller gets the same messages.
+
+Errors are :class:`InputError` (a ``ValueError``): the CLI turns exactly
+these into ``cpgraph <cmd>: error: <line>`` with exit status 2 and lets any
+other exception through as the bug it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# What the transfer path imports; ``cpgraph pd`` checks it is importable before spawning.
+MOONCAKE_MODULE = "mooncake"
+
+
+class InputError(ValueError):
+    """A problem with what the user asked for (flags, prompts, checkpoint), not a bug in cpgraph."""
+
+
+@contextlib.contextmanager
+def user_input(what: str | None = None):
+    """Treat ValueError/TypeError/OSError raised inside as bad user input (an :class:`InputError`).
+
+    Wrap only the phases that read and check what the user supplied (flags,
+    prompts files, checkpoints); a ValueError from compiling or running the
+    model is a bug and must keep its traceback.
+    """
+    try:
+        yield
+    except InputError:
+        raise
+    except (ValueError, TypeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.strerror:
+            text = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+        else:
+            text = str(exc) or type(exc).__name__
+        text = one_line(text)
+        raise InputError(f"{what}: {text}" if what else text) from exc
+
+
+def one_line(text: str) -> str:
+    """Collapse a message to one line (error lines must never wrap into a second record)."""
+    return " ".join(str(text).split())
+
+
+def _check_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InputError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_prompts(token_lists, prefix_lens, page_size: int, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """Validate prompts (non-empty token ids in ``[0, vocab)``) and their cached-prefix lengths.
+
+    A prefix length must be a page multiple (cached prefixes are whole pages)
+    and shorter than its prompt (at least one token is computed, the one whose
+    logits are returned).  Returns plain int lists.
+    """
+    if not isinstance(token_lists, (list, tuple)) or not token_lists:
+        raise InputError("prompts must be a non-empty list of token-id lists")
+    lists = []
+    for i, t in enumerate(token_lists):
+        if isinstance(t, torch.Tensor):
+            t = t.tolist()  # sync-ok (host input)
+        if not isinstance(t, (list, tuple)):
+            raise InputError(f"prompt {i} must be a list of token ids, got {type(t).__name__}")
+        t = list(t)
+        if not t:
+            raise InputError(f"prompt {i} is empty")
+        for j, v in enumerate(t):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
+                raise InputError(f"prompt {i}, position {j}: token {v!r} is not an id in [0, {vocab}) "
+                                 f"(the model's vocabulary)")
+        lists.append(t)
+    prefix = [0] * len(lists) if prefix_lens is None else list(prefix_lens)
+    if len(prefix) != len(lists):
+        raise InputError(f"prefix lengths have {len(prefix)} entries for {len(lists)} prompts")
+    for i, (p, t) in enumerate(zip(prefix, lists)):
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise InputError(f"prefix length {i} must be an int >= 0, got {p!r}")
+        if p % page_size:
+            raise InputError(f"prefix length {i} = {p} is not a multiple of the page size {page_size}")
+        if p >= len(t):
+            raise InputError(f"prefix length {i} = {p} leaves no token to compute (prompt {i} has {len(t)})")
+    return lists, prefix
+
+
+@dataclass
+class PrefillRequest:
+    """A validated prefill request: what every rank will be given."""
+
+    prompts: list[list[int]]
+    prefix_lens: list[int]
+    page_size: int
+    cp: int
+
+
+def check_batch_flags(*, page_size: int, cp: int = 1, device: str = "cpu", batch_size: int | None = None,
+                      chunk_tokens: int | None = None, group: int | None = None) -> None:
+    """The request's shape flags, checkable before a model or prompt is read.
+
+    The CP group (``cp >= 1``; one GPU per rank on ``cuda``), the page size
+    (a power of two), batch size, chunked-prefill chunk size (a page
+    multiple) and transfer group size.
+    """
+    _check_int("--cp", cp)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError("--device cuda: no CUDA device is visible")
+        if torch.cuda.device_count() < cp:
+            raise InputError(f"--cp {cp} needs {cp} GPUs (one rank per GPU); {torch.cuda.device_count()} visible")
+    elif device != "cpu":
+        raise InputError(f"--device must be 'cpu' or 'cuda', got {device!r}")
+    _check_int("--page", page_size)
+    if page_size & (page_size - 1):
+        raise InputError(f"--page must be a power of two, got {page_size}")
+    if batch_size is not None:
+        _check_int("--batch-size", batch_size)
+    if chunk_tokens is not None:
+        _check_int("--chunk-tokens", chunk_tokens)
+        if chunk_tokens % page_size:
+            raise InputError(f"--chunk-tokens must be a multiple of the page size {page_size}, got {chunk_tokens}")
+    if group is not None:
+        _check_int("--group", group)
+
+
+def check_request(prompts, prefix_lens, *, vocab: int, page_size: int, cp: int = 1, device: str = "cpu",
+                  batch_size: int | None = None, chunk_tokens: int | None = None,
+                  group: int | None = None) -> PrefillRequest:
+    """The one check shared by ``run``, ``run --cp`` and ``pd``; raises :class:`InputError`.
+
+    :func:`check_batch_flags`, then the prompts and prefix lengths
+    (:func:`check_prompts`); then it plans every pass the ranks will run, so
+    a request the planner would reject fails here, in the parent.
+    """
+    from cpgraph.plan import plan_prefill
+
+    check_batch_flags(page_size=page_size, cp=cp, device=device, batch_size=batch_size, chunk_tokens=chunk_tokens,
+                      group=group)
+    lists, prefix = check_prompts(prompts, prefix_lens, page_size, vocab)
+    # Dry-run the planner over the passes the engine will run (prefix pass, extend pass).
+    with user_input("plan"):
+        hit = [p for p in prefix if p > 0]
+        if hit:
+            plan_prefill([0] * len(hit), hit, cp_size=cp, page_size=page_size)
+        plan_prefill(prefix, [len(t) - p for t, p in zip(lists, prefix)], cp_size=cp, page_size=page_size)
+    return PrefillRequest(lists, prefix, page_size, cp)
+
+
+def check_output_path(path: str | None, flag: str = "--json") -> None:
+    """Fail before a run, not after it, when its output file cannot be written."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise InputError(f"{flag} {path!r} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise InputError(f"{flag} {path!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"{flag} {path!r}: directory {parent!r} is not writable")
+
+
+def check_mooncake(module: str | None = None) -> None:
+    """``cpgraph pd`` needs the Mooncake transfer engine: say so before spawning anything."""
+    name = module or MOONCAKE_MODULE
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise InputError(f"the Mooncake transfer engine ({name!r}) is not installed: pip install 'cpgraph[transfer]' "
+                         "(CPU machines: mooncake-transfer-engine-non-cuda, which needs Debian libibverbs1)")
+
+
+def model_vocab(model: str) -> int:
+    """Vocabulary size of a bundled model or a checkpoint directory, read from its config only."""
+    import json
+    from pathlib import Path
+
+    from cpgraph.models.config import bundled_config_dict, bundled_names
+
+    root = Path(model)
+    if root.is_dir():
+        with user_input(str(root / "config.json")):
+            with open(root / "config.json") as f:
+                d = json.load(f)
+    elif str(model) in bundled_names():
+        d = bundled_config_dict(str(model))
+    else:
+        raise InputError(f"{model!r} is neither a local checkpoint directory nor a bundled model "
+                         f"({', '.join(bundled_names())})")
+    if not isinstance(d, dict) or isinstance(d.get("vocab_size"), bool) or not isinstance(d.get("vocab_size"), int):
+        raise InputError(f"{root / 'config.json'} has no integer vocab_size")
+    return d["vocab_size"]
