@@ -1,24 +1,38 @@
 """Run a CP prefill on N ranks and compare it with the single-device reference.
 
-``run_cp(spec)`` spawns ``spec.cp`` processes (gloo on CPU, NCCL with one rank
-per GPU for ``device="cuda"``).  Every rank loads the same model, compiles it
-once with the CP passes (:func:`cpgraph.passes.compile`), and runs the
-prefill engine as its rank; rank 0 also runs the single-device eager
-reference.  The result holds the CP logits (checked identical on every
-rank), the reference logits, and each rank's KV bytes.
+``run_cp(spec)`` validates the request in the calling process
+(:func:`cpgraph.runtime.inputs.check_request`), then spawns ``spec.cp``
+processes (gloo on CPU, NCCL with one rank per GPU for ``device="cuda"``).
+Every rank loads the same model, compiles it once with the CP passes
+(:func:`cpgraph.passes.compile`), and runs the prefill engine as its rank;
+rank 0 also runs the single-device eager reference.  The result holds the CP
+logits (checked identical on every rank), the reference logits, and each
+rank's KV bytes.
+
+Ranks report their phases (loading, compiling, timed run, reference,
+comparing) through the result queue as they enter them, so a caller can show
+progress during a compile that takes minutes.  A failure while a rank reads
+its input (the checkpoint, the KV layout it asks for) comes back as an
+:class:`~cpgraph.runtime.inputs.InputError`; any later failure is a
+``RuntimeError`` carrying the rank's traceback.
 """
 
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .inputs import InputError, check_request, model_vocab, one_line
 
 
 @dataclass
@@ -36,6 +50,7 @@ class CPRunSpec:
     evict: bool = False  # with cache: evict L1 to the L2 host pool between the passes
     host_layout: str = "layer_page_first"
     write_policy: str = "write_through"
+    log_level: int | None = None  # logging level for the cpgraph logger in each rank (None: leave as is)
 
 
 @dataclass
@@ -45,9 +60,11 @@ class CPRunResult:
     kv_bytes_per_rank: list[int]
     pages_per_rank: list[int]
     replicated_bytes: int  # what each rank would hold with a replicated cache
-    seconds: float  # CP extend+prefix time on rank 0, compile excluded (second run)
+    seconds: float  # the timed run on rank 0 (compile excluded: the second run, or the warm cache pass)
     compile_seconds: float
     ranks_agree: bool
+    tokens_computed: int = 0  # tokens the timed run computed (prefix + extend passes, or the cache misses)
+    tokens_cached: int = 0  # tokens the timed run took from the prefix cache (only with spec.cache)
     notes: list[str] = field(default_factory=list)
     cache: dict | None = None  # with spec.cache: run_twice's summary (second-pass logits, hits per level)
 
@@ -59,7 +76,19 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
+    def report(msg: str, every_rank: bool = False) -> None:
+        if rank == 0 or every_rank:
+            queue.put(("phase", rank, msg))
+
+    reading_input = True
     try:
+        if spec.log_level is not None:  # a spawned process starts with logging unconfigured
+            import logging
+
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter(f"%(name)s (rank {rank}): %(levelname)s: %(message)s"))
+            logging.getLogger("cpgraph").addHandler(handler)
+            logging.getLogger("cpgraph").setLevel(spec.log_level)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -74,11 +103,16 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
         from cpgraph.runtime.engine import run_prefill
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[spec.dtype]
+        t0 = time.perf_counter()
+        report(f"loading {spec.model}")
         model = from_pretrained(spec.model, dtype=dtype)
+        layout = make_layout(model, spec.kv_format, spec.page_size)
+        reading_input = False
+        report(f"loaded in {time.perf_counter() - t0:.1f} s")
         if cuda:
             model = model.to(f"cuda:{rank}")
         model.eval()
-        model.kv_layout = make_layout(model, spec.kv_format, spec.page_size)
+        model.kv_layout = layout
         compiled = compile(model, CPConfig(group=dist.group.WORLD, cp_size=spec.cp), backend=spec.backend, dynamic=True)
 
         def forward(ids, meta, mla, index, **kw):
@@ -88,19 +122,25 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
                   rank=rank, cp_size=spec.cp)
         cache = None
         if spec.cache:
-            cache, res, compile_s, seconds = _cached_runs(spec, forward, model, rank, cuda)
+            cache, res, compile_s, seconds = _cached_runs(spec, forward, model, rank, cuda, report)
+            computed = cache["hits"][1]["computed"]
+            cached = cache["hits"][1]["device"] + cache["hits"][1]["host"]
         else:
+            report(f"compiling ({spec.backend}) in the first run", every_rank=True)
             t0 = time.perf_counter()
-            res = run_prefill(forward, model, spec.prompts, **kw)  # first run compiles
+            res = run_prefill(forward, model, spec.prompts, progress=lambda m: report(f"first run: {m}"), **kw)
             compile_s = time.perf_counter() - t0
+            report(f"compiled and ran in {compile_s:.1f} s", every_rank=True)
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            res = run_prefill(forward, model, spec.prompts, **kw)
+            res = run_prefill(forward, model, spec.prompts, progress=lambda m: report(f"timed run: {m}"), **kw)
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
+            computed, cached = sum(len(p) for p in spec.prompts), 0
         logits = res.logits.float().cpu()
+        report("comparing logits across ranks")
         # Every rank must hold the same logits (the narrow gather hands every rank the owner's row).
         gathered = [torch.empty_like(logits) for _ in range(spec.cp)]
         dist.all_gather_object(gathered, logits)
@@ -113,6 +153,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
             def eager(ids, meta, mla, index, **k):
                 return model(ids, meta, mla, index, **k)
 
+            report("single-device eager reference")
             ref = reference_run(eager, model, spec.prompts, prefix_lens=spec.prefix_lens, kv_format=spec.kv_format,
                                 page_size=spec.page_size)
             payload = CPRunResult(
@@ -124,6 +165,8 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
                 seconds=seconds,
                 compile_seconds=compile_s,
                 ranks_agree=all(torch.equal(g, logits) for g in gathered),
+                tokens_computed=computed,
+                tokens_cached=cached,
                 cache=cache,
             )
         dist.barrier()
@@ -134,13 +177,17 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
             payload.logits, payload.reference = payload.logits.numpy(), payload.reference.numpy()
             if payload.cache is not None:
                 payload.cache["second"] = payload.cache["second"].numpy()
-            queue.put(("ok", payload))
+            queue.put(("ok", rank, payload))
     except BaseException as exc:  # noqa: BLE001  (report, never hang the parent)
-        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        user = reading_input and isinstance(exc, (ValueError, TypeError, OSError))
+        queue.put(("error", rank, dict(type=type(exc).__name__, message=str(exc), user=user,
+                                       traceback=traceback.format_exc())))
+        if user:
+            sys.exit(2)  # the parent prints the one-line message; no traceback from every rank
         raise
 
 
-def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool):
+def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool, report: Callable[..., None]):
     """``--cache``: the prompts twice through one CacheEngine (optionally evicting to L2 in between).
 
     Returns ``(summary, first-pass result, first-pass seconds, second-pass seconds)``;
@@ -153,12 +200,17 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool):
     engine = CacheEngine(forward, model, num_pages=pages, kv_format=spec.kv_format, page_size=spec.page_size,
                          rank=rank, cp_size=spec.cp, host_pages=pages if spec.evict else 0,
                          host_layout=spec.host_layout, write_policy=spec.write_policy)
+    report(f"compiling ({spec.backend}) in the first (cold) cache pass", every_rank=True)
     t0 = time.perf_counter()
     first = engine.prefill(spec.prompts)
     if cuda:
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
+    report(f"compiled and ran the cold pass in {first_s:.1f} s", every_rank=True)
+    if spec.evict:
+        report("evicting the device cache (L1) to the host pool (L2)")
     evicted = engine.evict_device() if spec.evict else 0
+    report("second (warm) cache pass, timed")
     t0 = time.perf_counter()
     second = engine.prefill(spec.prompts)
     if cuda:
@@ -181,33 +233,76 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool):
     return summary, res, first_s, second_s
 
 
-def run_cp(spec: CPRunSpec, timeout: float = 900.0) -> CPRunResult:
-    """Spawn ``spec.cp`` ranks, run the CP prefill, return rank 0's comparison."""
-    if spec.cp < 1:
-        raise ValueError(f"--cp must be >= 1, got {spec.cp}")
-    if spec.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is visible")
-        if torch.cuda.device_count() < spec.cp:
-            raise ValueError(f"--cp {spec.cp} needs {spec.cp} GPUs (one rank per GPU); {torch.cuda.device_count()} visible")
-    elif spec.device != "cpu":
-        raise ValueError(f"--device must be 'cpu' or 'cuda', got {spec.device!r}")
+def _collect(procs, queue, timeout: float, progress, heartbeat: float | None):
+    """Wait for rank 0's result, forwarding phase reports; returns ``(kind, rank, body)``.
+
+    ``heartbeat``: seconds between "still waiting" lines naming each rank's
+    current phase (for a terminal); ``None`` prints only phase changes.
+    """
+    start = time.monotonic()
+    last_line = start
+    phase = {r: "starting" for r in range(len(procs))}
+    poll = min(1.0, heartbeat or 1.0)
+    while True:
+        try:
+            kind, rank, body = queue.get(timeout=poll)
+        except queue_mod.Empty:
+            now = time.monotonic()
+            if now - start > timeout:
+                return "error", -1, dict(type="TimeoutError", message=f"no result within {timeout:.0f} s", user=False,
+                                         traceback="")
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                try:  # a dying rank's last report may still be in flight
+                    return queue.get(timeout=2.0)
+                except queue_mod.Empty:
+                    r, code = dead[0]
+                    return "error", r, dict(type="ProcessExit", message=f"exited with status {code} without a report",
+                                            user=False, traceback="")
+            if heartbeat is not None and progress is not None and now - last_line >= heartbeat:
+                progress(f"{now - start:5.0f} s  waiting: " + ", ".join(f"rank {r} {m}" for r, m in phase.items()))
+                last_line = now
+            continue
+        if kind != "phase":
+            return kind, rank, body
+        phase[rank] = body
+        if progress is not None:
+            progress(f"{time.monotonic() - start:5.1f} s  rank {rank}: {body}")
+            last_line = time.monotonic()
+
+
+def run_cp(spec: CPRunSpec, timeout: float = 900.0, progress: Callable[[str], None] | None = None,
+           heartbeat: float | None = None) -> CPRunResult:
+    """Spawn ``spec.cp`` ranks, run the CP prefill, return rank 0's comparison.
+
+    The request is validated here first (no rank is spawned for a bad one).
+    ``progress`` receives one line per rank phase; with ``heartbeat`` also a
+    line every ``heartbeat`` seconds while no phase changes.
+    """
+    req = check_request(spec.prompts, spec.prefix_lens, vocab=model_vocab(spec.model), page_size=spec.page_size,
+                        cp=spec.cp, device=spec.device)
+    spec.prompts, spec.prefix_lens = req.prompts, req.prefix_lens
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, spec, port, queue), daemon=True) for r in range(spec.cp)]
     for p in procs:
         p.start()
+    kind = "error"
     try:
-        kind, payload = queue.get(timeout=timeout)
-    except Exception as exc:  # noqa: BLE001  (empty queue after the timeout, or a broken pipe)
-        kind, payload = "error", f"no result within {timeout:.0f} s ({type(exc).__name__}: {exc})"
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+        kind, rank, body = _collect(procs, queue, timeout, progress, heartbeat)
+    finally:
+        for p in procs:
+            if kind != "ok":
+                p.terminate()  # a failed rank leaves the others blocked in a collective
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     if kind != "ok":
-        raise RuntimeError(f"CP run failed: {payload}")
+        if body["user"]:
+            raise InputError(one_line(body["message"]) or body["type"])
+        raise RuntimeError(f"CP run failed: rank {rank}: {body['type']}: {body['message']}\n{body['traceback']}")
+    payload = body
     payload.logits = torch.from_numpy(payload.logits)
     if payload.cache is not None:
         payload.cache["second"] = torch.from_numpy(payload.cache["second"])
