@@ -1,14 +1,30 @@
 """The ``cpgraph`` command.
 
-Subcommands are thin: they parse, call the public API, and print.  Input
-errors become one-line messages and exit status 2, never tracebacks.
+Subcommands are thin: they parse, validate, call the public API, and print.
+A user error (a bad flag, prompt, checkpoint or output path) is one line on
+stderr and exit status 2, never a traceback: it is caught while reading and
+checking the input, before any rank is spawned or model compiled
+(:mod:`cpgraph.runtime.inputs`).  An exception after that point is a bug and
+keeps its traceback.  ``docs/cli.md`` is generated from :func:`build_parser`
+(``python -m cpgraph.cli --dump-docs``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import sys
+
+from cpgraph.runtime.inputs import InputError, one_line, user_input
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (argparse's own print the usage block first)."""
+
+    def error(self, message):  # noqa: D102
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see '{self.prog} --help')\n")
 
 
 def _int_list(text: str) -> list[int]:
@@ -18,18 +34,66 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+# Options whose value is a comma-separated list: "-16,0" after them reads as an option to argparse.
+_LIST_FLAGS = ("--prefix", "--extend", "--prefix-lens")
+
+
+def _check_dash_values(argv: list[str], parser: argparse.ArgumentParser) -> None:
+    """Say how to pass a list that starts with '-' (argparse would report a missing value)."""
+    subs = _subparsers(parser)
+    command = next((a for a in argv if a in subs), None)
+    for flag, value in zip(argv, argv[1:]):
+        if command and flag in _LIST_FLAGS and re.fullmatch(r"-\d[\d,]*", value):
+            subs[command].error(f"argument {flag}: {value!r} starts with '-' and reads as an option; "
+                                f"write {flag}={value}")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _progress(args, command: str):
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"[cpgraph {command}] {msg}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _configure_logging(verbose: int) -> int:
+    """``-v``: the cpgraph logger at INFO, ``-vv`` at DEBUG; default WARNING (quiet)."""
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    log = logging.getLogger("cpgraph")
+    log.setLevel(level)
+    if not any(getattr(h, "_cpgraph_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+        handler._cpgraph_cli = True
+        log.addHandler(handler)
+    return level
+
+
+# ----------------------------------------------------------------------------- plan
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from cpgraph.plan import plan_prefill
     from cpgraph.plan.render import render_plan
 
-    prefix = args.prefix if args.prefix is not None else [0] * len(args.extend)
-    plan = plan_prefill(prefix, args.extend, cp_size=args.cp, page_size=args.page, row_align=args.row_align)
+    with user_input():
+        prefix = args.prefix if args.prefix is not None else [0] * len(args.extend)
+        plan = plan_prefill(prefix, args.extend, cp_size=args.cp, page_size=args.page, row_align=args.row_align)
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:
         print(render_plan(plan))
     return 0
 
+
+# ----------------------------------------------------------------------------- run
 
 _BUILTIN_PROMPT_LENS = (96, 40, 17, 130)
 
@@ -47,12 +111,36 @@ def _read_prompts(path: str) -> list[list[int]]:
         with open(path) as f:
             data = json.load(f)
     except OSError as exc:
-        raise ValueError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"prompts file {path!r} is not valid JSON: {exc}") from None
+        raise InputError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"prompts file {path!r} is not valid JSON: {exc}") from None
     if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
-        raise ValueError(f"prompts file {path!r} must hold a non-empty JSON list of token-id lists")
+        raise InputError(f"prompts file {path!r} must hold a non-empty JSON list of token-id lists")
     return data
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+    """Flag combinations ``run`` refuses (a flag that would be ignored is an error, not a no-op)."""
+    from cpgraph.runtime.inputs import check_output_path
+
+    if args.top < 1:
+        raise InputError(f"--top must be >= 1, got {args.top}")
+    check_output_path(args.json)
+    if args.evict and not args.cache:
+        raise InputError("--evict applies to --cache runs")
+    for flag, value in (("--cache-layout", args.cache_layout), ("--write-policy", args.write_policy)):
+        if value is not None and not (args.cache and args.evict):
+            raise InputError(f"{flag} applies to --cache --evict runs (it configures the L2 host pool)")
+    if args.cache:
+        if args.prefix_lens is not None:
+            raise InputError("--cache takes cached prefixes from the radix cache; drop --prefix-lens")
+        if args.batch_size is not None:
+            raise InputError("--batch-size is not supported with --cache (each pass is one batch)")
+    if args.cp is None:
+        if args.device != "cpu" or args.backend is not None:
+            raise InputError("--device and --backend apply to CP runs; add --cp N")
+    elif args.batch_size is not None:
+        raise InputError("--batch-size is not supported with --cp (the whole batch is one CP prefill)")
 
 
 def _print_top(args, prompts, prefix, logits) -> list[list[int]]:
@@ -72,38 +160,45 @@ def _run_payload(args, prompts, prefix, logits, top, **extra) -> dict:
 def _cmd_run(args: argparse.Namespace) -> int:
     import time
 
-    import torch
-
     from cpgraph.models import from_pretrained
-    from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, prefill
+    from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, make_layout
+    from cpgraph.runtime.inputs import check_batch_flags, check_request, model_vocab
 
-    def progress(msg: str) -> None:
-        if not args.quiet:
-            print(f"[cpgraph run] {msg}", file=sys.stderr, flush=True)
-
-    t_load = time.perf_counter()
-    model = from_pretrained(args.model, dtype=args.dtype)
-    progress(f"loaded {args.model} ({model.config.model_type}) in {time.perf_counter() - t_load:.2f} s")
-    prompts = _read_prompts(args.prompts_file) if args.prompts_file else _builtin_prompts(model.config.vocab_size)
-    prefix = args.prefix_lens if args.prefix_lens is not None else [0] * len(prompts)
-    if len(prefix) != len(prompts):
-        raise ValueError(f"--prefix-lens has {len(prefix)} entries for {len(prompts)} prompts")
-    if args.evict and not args.cache:
-        raise ValueError("--evict applies to --cache runs")
-    if args.cache:
-        if args.prefix_lens is not None:
-            raise ValueError("--cache takes cached prefixes from the radix cache; drop --prefix-lens")
-        if args.batch_size is not None:
-            raise ValueError("--batch-size is not supported with --cache (each pass is one batch)")
+    progress = _progress(args, "run")
+    cp = 1 if args.cp is None else args.cp
+    with user_input():
+        _check_run_flags(args)
+        check_batch_flags(page_size=DEFAULT_PAGE_SIZE, cp=cp, device=args.device, batch_size=args.batch_size)
+        model, loaded = None, None
+        if args.cp is None:
+            t_load = time.perf_counter()
+            model = from_pretrained(args.model, dtype=args.dtype)
+            make_layout(model, args.kv_format, DEFAULT_PAGE_SIZE)  # a KV format the model cannot store
+            loaded = f"loaded {args.model} ({model.config.model_type}) in {time.perf_counter() - t_load:.2f} s"
+            vocab = model.config.vocab_size
+        else:
+            vocab = model_vocab(args.model)  # the ranks load the weights; the parent reads the config only
+        prompts = _read_prompts(args.prompts_file) if args.prompts_file else _builtin_prompts(vocab)
+        req = check_request(prompts, args.prefix_lens, vocab=vocab, page_size=DEFAULT_PAGE_SIZE, cp=cp,
+                            device=args.device, batch_size=args.batch_size)
+    if loaded:
+        progress(loaded)
+    prompts, prefix = req.prompts, req.prefix_lens
     if args.cp is not None:
         return _run_cp(args, prompts, prefix, progress)
-    if args.device != "cpu" or args.backend is not None:
-        raise ValueError("--device and --backend apply to CP runs; add --cp N")
     if args.cache:
         return _run_cache(args, model, prompts, progress)
-    bs = args.batch_size or len(prompts)
-    if bs < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {bs}")
+    return _run_single(args, model, prompts, prefix, progress)
+
+
+def _run_single(args, model, prompts, prefix, progress) -> int:
+    import time
+
+    import torch
+
+    from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, prefill
+
+    bs = args.batch_size if args.batch_size is not None else len(prompts)
     logits, kv_bytes = [], 0
     t0 = time.perf_counter()
     batches = range(0, len(prompts), bs)
@@ -125,10 +220,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     if args.json:
         payload = _run_payload(args, prompts, prefix, out, top, kv_bytes=kv_bytes, seconds=elapsed)
-        with open(args.json, "w") as f:
-            json.dump(payload, f)
-        progress(f"wrote {args.json}")
+        _write_json(args.json, payload, progress)
     return 0
+
+
+def _write_json(path: str, payload: dict, progress) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f)
+    progress(f"wrote {path}")
 
 
 def _print_cache(hits, evicted, load_misses, second, first) -> bool:
@@ -148,6 +247,11 @@ def _print_cache(hits, evicted, load_misses, second, first) -> bool:
     return ok
 
 
+def _cache_kwargs(args) -> dict:
+    """L2 settings (only given with ``--cache --evict``; the library defaults otherwise)."""
+    return dict(host_layout=args.cache_layout or "layer_page_first", write_policy=args.write_policy or "write_through")
+
+
 def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
     """``cpgraph run --cache`` on one device: the prompts twice through the radix cache."""
     from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, make_layout
@@ -160,8 +264,7 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
 
     pages = default_capacity(prompts, DEFAULT_PAGE_SIZE)
     engine = CacheEngine(forward, model, num_pages=pages, kv_format=args.kv_format, page_size=DEFAULT_PAGE_SIZE,
-                         host_pages=pages if args.evict else 0, host_layout=args.cache_layout,
-                         write_policy=args.write_policy)
+                         host_pages=pages if args.evict else 0, **_cache_kwargs(args))
     out = run_twice(engine, prompts, evict=args.evict, progress=progress)
     top = out["first"].topk(min(args.top, out["first"].shape[1]), dim=-1).indices.tolist()
     for i, (p, ids) in enumerate(zip(prompts, top)):
@@ -171,10 +274,21 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
         payload = {"logits": out["first"].tolist(), "second_pass_logits": out["second"].tolist(), "tokens": prompts,
                    "top_ids": top, "model": str(args.model), "kv_format": args.kv_format, "hits": out["hits"],
                    "evicted_pages": out["evicted_pages"], "hicache": out["hicache"]}
-        with open(args.json, "w") as f:
-            json.dump(payload, f)
-        progress(f"wrote {args.json}")
+        _write_json(args.json, payload, progress)
     return 0 if ok else 1
+
+
+def cp_timing_line(cp: int, device: str, backend: str, res) -> str:
+    """The CP run's timing: computed tokens (and, with ``--cache``, cached ones) of the timed pass."""
+    rate = res.tokens_computed / max(res.seconds, 1e-9)
+    if res.cache is not None:
+        what = (f"timed warm pass computed {res.tokens_computed} token(s) and took {res.tokens_cached} from the "
+                f"prefix cache in {res.seconds:.3f} s ({rate:.0f} computed tok/s) after a {res.compile_seconds:.1f} s "
+                f"cold pass (compile)")
+    else:
+        what = (f"{res.tokens_computed} tokens computed in {res.seconds:.3f} s ({rate:.0f} tok/s) after a "
+                f"{res.compile_seconds:.1f} s first run (compile)")
+    return f"CP={cp} on {device} ({backend}): {what}; every rank holds the same logits: {res.ranks_agree}"
 
 
 def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
@@ -184,23 +298,21 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     from cpgraph.models.prefill import DEFAULT_PAGE_SIZE
     from cpgraph.runtime.cp_run import CPRunSpec, run_cp
 
-    if args.batch_size is not None:
-        raise ValueError("--batch-size is not supported with --cp (the whole batch is one CP prefill)")
     backend = args.backend or "inductor"
     progress(f"spawning {args.cp} {'NCCL' if args.device == 'cuda' else 'gloo'} rank(s), backend {backend}")
     spec = CPRunSpec(model=str(args.model), prompts=prompts, prefix_lens=prefix, cp=args.cp, device=args.device,
                      kv_format=args.kv_format, dtype=args.dtype, backend=backend, page_size=DEFAULT_PAGE_SIZE,
-                     cache=args.cache, evict=args.evict, host_layout=args.cache_layout,
-                     write_policy=args.write_policy)
-    res = run_cp(spec)
+                     cache=args.cache, evict=args.evict, log_level=logging.getLogger("cpgraph").level,
+                     **_cache_kwargs(args))
+    # On a terminal, a line every 10 s while a rank compiles; in a log, one line per phase.
+    heartbeat = 10.0 if sys.stderr.isatty() and not args.quiet else None
+    res = run_cp(spec, progress=None if args.quiet else progress, heartbeat=heartbeat)
     out = res.logits
     top = _print_top(args, prompts, prefix, out)
     diff = (out - res.reference).abs().max().item()
     rel = diff / max(res.reference.abs().max().item(), 1e-30)
     same = torch.equal(out, res.reference)
-    tokens = sum(len(p) for p in prompts)
-    print(f"CP={args.cp} on {args.device} ({backend}): {tokens} tokens in {res.seconds:.3f} s after a "
-          f"{res.compile_seconds:.1f} s first run (compile); every rank holds the same logits: {res.ranks_agree}")
+    print(cp_timing_line(args.cp, args.device, backend, res))
     print(f"vs single-device eager: max |diff| {diff:.3e} (relative {rel:.3e}){' - bit-identical' if same else ''}")
     for r, (b, n) in enumerate(zip(res.kv_bytes_per_rank, res.pages_per_rank)):
         print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(res.replicated_bytes, 1):.3f} of a replicated cache "
@@ -208,13 +320,12 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     if args.json:
         payload = _run_payload(args, prompts, prefix, out, top, cp=args.cp, device=args.device, backend=backend,
                                max_abs_diff_vs_single_device=diff, kv_bytes_per_rank=res.kv_bytes_per_rank,
-                               replicated_kv_bytes=res.replicated_bytes, seconds=res.seconds)
+                               replicated_kv_bytes=res.replicated_bytes, seconds=res.seconds,
+                               computed_tokens=res.tokens_computed, cached_tokens=res.tokens_cached)
         if res.cache is not None:
             payload.update(second_pass_logits=res.cache["second"].tolist(), hits=res.cache["hits"],
                            evicted_pages=res.cache["evicted_pages"], hicache=res.cache["hicache"])
-        with open(args.json, "w") as f:
-            json.dump(payload, f)
-        progress(f"wrote {args.json}")
+        _write_json(args.json, payload, progress)
     cache_ok = True
     if res.cache is not None:
         c = res.cache
@@ -225,18 +336,32 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     return 0 if cache_ok else 1
 
 
+# ----------------------------------------------------------------------------- pd
+
+
 def _cmd_pd(args: argparse.Namespace) -> int:
     """``cpgraph pd --cp N``: prefill on N CPU ranks, Mooncake transfer over loopback, decode one token."""
     from cpgraph.models.config import bundled_config_dict
+    from cpgraph.runtime.inputs import check_batch_flags, check_mooncake, check_output_path, check_request
+
+    with user_input():
+        check_output_path(args.json)
+        if args.timeout <= 0:
+            raise InputError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+        if not args.tol >= 0:
+            raise InputError(f"--tol must be >= 0, got {args.tol:g}")
+        check_batch_flags(page_size=args.page, cp=args.cp, chunk_tokens=args.chunk_tokens, group=args.group)
+        vocab = bundled_config_dict(args.model)["vocab_size"]  # the decode check needs a bundled config
+        prompts = _read_prompts(args.prompts_file) if args.prompts_file else _builtin_prompts(vocab)
+        req = check_request(prompts, args.prefix_lens, vocab=vocab, page_size=args.page, cp=args.cp,
+                            chunk_tokens=args.chunk_tokens, group=args.group)
+        check_mooncake()
     from cpgraph.transfer.pd import PDSpec, run_pd
 
-    vocab = bundled_config_dict(args.model)["vocab_size"]
-    prompts = _read_prompts(args.prompts_file) if args.prompts_file else _builtin_prompts(vocab)
+    prompts = req.prompts
     spec = PDSpec(model=args.model, prompts=prompts, prefix_lens=args.prefix_lens, chunk_tokens=args.chunk_tokens,
                   cp=args.cp, page_size=args.page, backend=args.backend, group=args.group, timeout=args.timeout)
-    if not args.quiet:
-        print(f"[cpgraph pd] {args.cp} prefill rank(s) + 1 decode process on 127.0.0.1 (Mooncake TCP)",
-              file=sys.stderr, flush=True)
+    _progress(args, "pd")(f"{args.cp} prefill rank(s) + 1 decode process on 127.0.0.1 (Mooncake TCP)")
     res = run_pd(spec)
     for i, (p, t) in enumerate(zip(prompts, res.first_tokens)):
         print(f"prompt {i}: {len(p)} tokens -> first token {t}; decode next-token argmax "
@@ -256,9 +381,18 @@ def _cmd_pd(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- parser
+
+
+def _add_verbose(p: argparse.ArgumentParser, default) -> None:
+    p.add_argument("-v", "--verbose", action="count", default=default,
+                   help="log cpgraph's steps: -v INFO, -vv DEBUG (default: warnings only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cpgraph", description="Context-parallel prefill for DSA models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="cpgraph", description="Context-parallel prefill for DSA models.")
+    _add_verbose(parser, 0)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("plan", help="show how a prefill batch is split over a CP group")
     p.add_argument("--prefix", type=_int_list, default=None, help="cached prefix length per request (default 0)")
@@ -278,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="model dtype (default: the checkpoint config's; float32 for bundled models)")
-    r.add_argument("--batch-size", type=int, default=None, help="prompts per forward (default: all at once)")
+    r.add_argument("--batch-size", type=int, default=None, help="prompts per forward, >= 1 (default: all at once)")
     r.add_argument("--top", type=int, default=5, help="how many top token ids to print per prompt (default 5)")
     r.add_argument("--json", default=None, metavar="OUT", help='write {"logits": [...], "tokens": [...]} to OUT')
     r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -287,17 +421,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="with --cp: cpu = gloo ranks, cuda = NCCL with one rank per GPU (default cpu)")
     r.add_argument("--backend", choices=("inductor", "aot_eager"), default=None,
-                   help="with --cp: torch.compile backend for the CP forward (default inductor)")
+                   help="with --cp: torch.compile backend for the CP forward (default inductor; aot_eager skips "
+                        "code generation and is the fast correctness check)")
     r.add_argument("--cache", action="store_true",
                    help="prefixes from the radix prefix cache: run the prompts twice, report hits per level, and "
                         "check that the second (warm) pass gives the first pass's logits")
     r.add_argument("--evict", action="store_true",
                    help="with --cache: evict the whole device cache to the L2 host pool between the passes, so "
                         "the second pass loads back from L2")
-    r.add_argument("--cache-layout", choices=("layer_page_first", "page_first"), default="layer_page_first",
-                   help="with --evict: L2 host pool layout (default layer_page_first)")
-    r.add_argument("--write-policy", choices=("write_through", "write_back"), default="write_through",
-                   help="with --evict: back up new cache nodes at insert (write_through) or at eviction (write_back)")
+    r.add_argument("--cache-layout", choices=("layer_page_first", "page_first"), default=None,
+                   help="with --cache --evict: L2 host pool layout (default layer_page_first)")
+    r.add_argument("--write-policy", choices=("write_through", "write_back"), default=None,
+                   help="with --cache --evict: back up new cache nodes at insert (write_through, the default) or "
+                        "at eviction (write_back)")
     r.set_defaults(func=_cmd_run)
 
     d = sub.add_parser("pd", help="prefill on N CP ranks, send the KV to a decode process (Mooncake), decode a token")
@@ -306,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts-file", default=None, help="JSON list of token-id lists (default: built-in prompts)")
     d.add_argument("--prefix-lens", type=_int_list, default=None, help="cached prefix per prompt (page multiples)")
     d.add_argument("--chunk-tokens", type=int, default=None, help="chunked prefill: tokens per chunk (page multiple)")
-    d.add_argument("--page", type=int, default=16, help="KV page size (default 16)")
+    d.add_argument("--page", type=int, default=16, help="KV page size, a power of two (default 16)")
     d.add_argument("--group", type=int, default=1, help="layers per transfer submit (default 1)")
     d.add_argument("--backend", choices=("inductor", "aot_eager"), default="aot_eager",
                    help="torch.compile backend of the CP ranks (default aot_eager)")
@@ -315,16 +451,30 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", default=None, metavar="OUT", help="write the figures to OUT")
     d.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     d.set_defaults(func=_cmd_pd)
+
+    for name in ("plan", "run", "pd"):  # -v also after the subcommand; SUPPRESS keeps a global -v
+        _add_verbose(sub.choices[name], argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--dump-docs"]:
+        from cpgraph.cli_docs import render_cli_docs
+
+        sys.stdout.write(render_cli_docs(build_parser()))
+        return 0
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        _check_dash_values(argv, parser)
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a one-line usage error (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    _configure_logging(args.verbose)
     try:
         return args.func(args)
-    except ValueError as exc:
-        print(f"cpgraph {args.command}: error: {exc}", file=sys.stderr)
+    except InputError as exc:
+        print(f"cpgraph {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,128 @@
+"""``docs/cli.md``, generated from the ``cpgraph`` argparse definitions.
+
+Why generated: a hand-written flag list drifts from the parser.  The page is
+rebuilt with ``python -m cpgraph.cli --dump-docs > docs/cli.md`` and a test
+compares it with :func:`render_cli_docs` of the current parser.  Each
+command and each flag needs a worked example here; rendering fails if one is
+missing, so a new flag cannot ship undocumented.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# A worked example per command (key None) and per flag.  Every line is a
+# complete command that the parser accepts (tested).
+EXAMPLES: dict[str, dict[str | None, str]] = {
+    "cpgraph": {
+        "--verbose": "cpgraph -v run --model tiny-glm5",
+    },
+    "plan": {
+        None: "cpgraph plan --prefix 0,128 --extend 1000,37 --cp 4 --page 64",
+        "--prefix": "cpgraph plan --prefix 0,64 --extend 100,10",
+        "--extend": "cpgraph plan --extend 1000,37",
+        "--cp": "cpgraph plan --extend 1000 --cp 8",
+        "--page": "cpgraph plan --extend 1000 --page 16",
+        "--row-align": "cpgraph plan --extend 1000,37 --row-align 64",
+        "--json": "cpgraph plan --extend 1000,37 --json",
+    },
+    "run": {
+        None: "cpgraph run --model tiny-glm5 --prefix-lens 64,0,0,16 --cp 2",
+        "--model": "cpgraph run --model tiny-deepseek-v32",
+        "--prompts-file": "cpgraph run --model tiny-glm5 --prompts-file prompts.json",
+        "--prefix-lens": "cpgraph run --model tiny-glm5 --prefix-lens 64,0,0,16",
+        "--kv-format": "cpgraph run --model tiny-deepseek-v32-fp8 --kv-format fp8",
+        "--dtype": "cpgraph run --model tiny-glm5 --dtype bfloat16",
+        "--batch-size": "cpgraph run --model tiny-glm5 --batch-size 2",
+        "--top": "cpgraph run --model tiny-glm5 --top 3",
+        "--json": "cpgraph run --model tiny-glm5 --json out.json",
+        "--quiet": "cpgraph run --model tiny-glm5 --quiet",
+        "--cp": "cpgraph run --model tiny-glm5 --cp 2",
+        "--device": "cpgraph run --model tiny-glm5 --cp 2 --device cuda",
+        "--backend": "cpgraph run --model tiny-glm5 --cp 2 --backend aot_eager",
+        "--cache": "cpgraph run --model tiny-glm5 --cache",
+        "--evict": "cpgraph run --model tiny-glm5 --cache --evict",
+        "--cache-layout": "cpgraph run --model tiny-glm5 --cache --evict --cache-layout page_first",
+        "--write-policy": "cpgraph run --model tiny-glm5 --cache --evict --write-policy write_back",
+    },
+    "pd": {
+        None: "cpgraph pd --cp 2 --prefix-lens 32,0,0,64",
+        "--model": "cpgraph pd --model tiny-deepseek-v32 --cp 1",
+        "--cp": "cpgraph pd --cp 1",
+        "--prompts-file": "cpgraph pd --prompts-file prompts.json",
+        "--prefix-lens": "cpgraph pd --prefix-lens 32,0,0,64",
+        "--chunk-tokens": "cpgraph pd --cp 1 --chunk-tokens 32",
+        "--page": "cpgraph pd --page 32",
+        "--group": "cpgraph pd --group 2",
+        "--backend": "cpgraph pd --backend inductor",
+        "--tol": "cpgraph pd --tol 1e-3",
+        "--timeout": "cpgraph pd --timeout 300",
+        "--json": "cpgraph pd --json pd.json",
+        "--quiet": "cpgraph pd --quiet",
+    },
+}
+
+_INTRO = """\
+# The `cpgraph` command
+
+<!-- Generated from the argparse definitions in cpgraph/cli.py by
+     `python -m cpgraph.cli --dump-docs > docs/cli.md`; tests/test_cli_docs.py fails when it is stale. -->
+
+Three subcommands: `plan` (how a batch is split over a CP group), `run` (prefill prompts on one
+device or a CP group and compare with one device), `pd` (CP prefill, Mooncake KV transfer to a
+decode process, one decode step checked against transformers).
+
+Errors: a bad flag, prompt, checkpoint or output path is reported as ONE line on stderr,
+`cpgraph <command>: error: <what>`, with exit status 2, before any rank is spawned or model
+compiled. A list value that starts with `-` must be attached with `=`: `--prefix-lens=-16,0`.
+
+`prompts.json` in the examples holds a JSON list of token-id lists, e.g. `[[1, 2, 3, 4], [9, 8, 7]]`.
+"""
+
+
+def _flag_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in p._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def _long_flag(a: argparse.Action) -> str:
+    return max(a.option_strings, key=len)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _value(a: argparse.Action) -> str:
+    """The value a flag takes (its defaults are stated in its help text)."""
+    if a.nargs == 0:
+        return ""
+    value = "{" + ",".join(map(str, a.choices)) + "}" if a.choices else a.metavar or a.dest.upper()
+    return f"{value} (required)" if a.required else value
+
+
+def _table(p: argparse.ArgumentParser, examples: dict, skip: set[str]) -> list[str]:
+    rows = ["| flag | value | what | example |", "|---|---|---|---|"]
+    for a in _flag_actions(p):
+        flag = _long_flag(a)
+        if flag in skip:
+            continue
+        if flag not in examples:
+            raise KeyError(f"cpgraph.cli_docs.EXAMPLES[{p.prog!r}] has no example for {flag}")
+        names = ", ".join(f"`{s}`" for s in a.option_strings)
+        rows.append(f"| {names} | {_cell(_value(a))} | {_cell(a.help or '')} | `{examples[flag]}` |")
+    return rows
+
+
+def render_cli_docs(parser: argparse.ArgumentParser) -> str:
+    """The whole ``docs/cli.md`` for ``parser`` (the parser :func:`cpgraph.cli.build_parser` returns)."""
+    lines = [_INTRO, "## Global flags", "", "They go before the subcommand (`-v` is also accepted after it).", ""]
+    lines += _table(parser, EXAMPLES["cpgraph"], set())
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in subs._choices_actions}
+    for name, sp in subs.choices.items():
+        ex = EXAMPLES[name]
+        about = helps.get(name) or ""
+        lines += ["", f"## `cpgraph {name}`", "", f"{about[:1].upper()}{about[1:]}.", "", "```bash", ex[None], "```",
+                  ""]
+        lines += _table(sp, ex, {_long_flag(a) for a in _flag_actions(parser)})
+    return "\n".join(lines) + "\n"
