@@ -25,6 +25,10 @@ Why the ops are split the way they are:
   bytes = 64 GiB), while a chunk of rows does.  The chunk size depends only on
   shapes and the byte budget, never on data, so it is the same on every rank
   and under every compile.
+* Every top-k (and every provider of one) follows one tie rule: equal scores
+  go to the lower logical position (:func:`tie_rank_keys`,
+  docs/ops/indexer.md).  Few-head indexers tie exactly and often, and an
+  arbitrary tie-break changes which keys later layers attend to.
 """
 
 from __future__ import annotations
@@ -98,21 +102,49 @@ def _masked_logits(q: Tensor, k: Tensor, weights: Tensor, ks: Tensor, ke: Tensor
     return out.masked_fill_(~_window_mask(ks, ke, n), float("-inf"))
 
 
+_NO_KEY = torch.iinfo(torch.int64).min  # rank key of a column outside the window
+_LOW32 = 0xFFFFFFFF
+
+
+def tie_rank_keys(logits: Tensor, ks: Tensor, ke: Tensor) -> Tensor:
+    """int64 ``[M, N]`` keys whose descending order is the top-k order under the tie rule.
+
+    The rule (docs/ops/indexer.md, "Tie rule"): higher score first; among
+    equal scores the lower column wins (in a row's window the column order
+    is the keys' logical order in the request).  ``-0.0`` equals ``0.0``;
+    every NaN equals every other NaN and ranks above ``+inf`` (as in
+    ``torch.sort``).  A score's fp32 bits are mapped to an order-preserving
+    signed int32 ``o`` and the key is ``o * 2^32 + (2^32 - 1 - t)``: all keys
+    of a window are distinct, so any exact top-k of them (no stability
+    needed) picks the same set in the same order.  Columns outside the window
+    get ``int64 min``, below every in-window key (even a ``-inf`` score).
+    """
+    x = logits.float()
+    x = torch.where(x == 0, torch.zeros((), device=x.device), x)  # -0.0 -> +0.0
+    x = torch.where(torch.isnan(x), torch.full((), float("nan"), device=x.device), x)  # one NaN bit pattern
+    bits = x.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    cols = torch.arange(logits.shape[1], device=logits.device, dtype=torch.int64)
+    keys = (ordered << 32) | (_LOW32 - cols)
+    inside = _window_mask(ks, ke, logits.shape[1])
+    return torch.where(inside, keys, torch.full((), _NO_KEY, dtype=torch.int64, device=keys.device))
+
+
 def _select_topk(logits: Tensor, ks: Tensor, ke: Tensor, topk: int) -> Tensor:
-    """int32 ``[M, topk]`` ragged ids of the best in-window keys, ``-1`` padded.
+    """int32 ``[M, topk]`` ragged ids of the best in-window keys under the tie rule, ``-1`` padded.
 
     The window is applied again here (``logits`` may come from a kernel that
-    writes garbage outside it).  Columns are padded with ``-inf`` up to
-    ``topk`` so ``torch.topk`` is defined for short views; any pick outside
-    the window (a ``-inf`` filler) becomes ``-1``, which sorts the padding to
-    the tail because every in-window score is finite.
+    writes garbage outside it).  Keys are padded with the out-of-window key up
+    to ``topk`` so ``torch.topk`` is defined for short views; any pick outside
+    the window becomes ``-1``, which sorts the padding to the tail because
+    every in-window key ranks above it.  The transient is an int64 ``[M, N]``
+    (twice the fp32 logits it ranks).
     """
     n = logits.shape[1]
-    inside = _window_mask(ks, ke, n)
-    masked = torch.where(inside, logits.float(), torch.full((), float("-inf"), device=logits.device))
+    keys = tie_rank_keys(logits, ks, ke)
     if n < topk:
-        masked = F.pad(masked, (0, topk - n), value=float("-inf"))
-    idx = masked.topk(topk, dim=1, largest=True, sorted=True).indices
+        keys = F.pad(keys, (0, topk - n), value=_NO_KEY)
+    idx = keys.topk(topk, dim=1, largest=True, sorted=True).indices
     keep = (idx >= ks[:, None]) & (idx < ke[:, None])
     return torch.where(keep, idx, torch.full((), -1, dtype=idx.dtype, device=idx.device)).to(torch.int32)
 
@@ -320,7 +352,8 @@ def _check_topk_paged(logits, ks, ke, topk, kv_slots) -> None:
 
 def topk_paged_reference(logits, ks, ke, topk, kv_slots):
     ragged = _select_topk(logits, ks, ke, topk).long()
-    slots = kv_slots.index_select(0, ragged.clamp(min=0).view(-1)).view(ragged.shape)
+    table = F.pad(kv_slots, (0, 1), value=-1)  # -1 picks read the extra entry (and N == 0 stays indexable)
+    slots = table.index_select(0, torch.where(ragged < 0, kv_slots.shape[0], ragged).view(-1)).view(ragged.shape)
     return torch.where(ragged >= 0, slots, torch.full((), -1, dtype=slots.dtype, device=slots.device)).to(torch.int32)
 
 

@@ -40,7 +40,13 @@ def config_variants() -> dict[str, dict]:
     glm_a = bundled_config_dict("tiny-glm5")  # 4 layers, freq 2 / offset 1 -> F S F S, top-k 16
     glm_b = dict(glm_a, num_attention_heads=2, num_key_value_heads=2, index_n_heads=16, index_topk=8, index_topk_pattern="FFSS")
     del glm_b["index_topk_freq"], glm_b["index_skip_topk_offset"]
-    return {"ds-a": ds_a, "ds-b": ds_b, "glm-a": glm_a, "glm-b": glm_b}
+    # One or two indexer heads: ReLU zeros (every head's dot negative) and negative head weights make
+    # exact score ties common, so these pin the top-k tie rule end to end.
+    ds_tie1 = dict(ds_a, index_n_heads=1)
+    ds_tie2 = dict(ds_a, index_n_heads=2)
+    glm_tie2 = dict(glm_a, index_n_heads=2)
+    return {"ds-a": ds_a, "ds-b": ds_b, "glm-a": glm_a, "glm-b": glm_b, "ds-tie1": ds_tie1, "ds-tie2": ds_tie2,
+            "glm-tie2": glm_tie2}
 
 
 def hf_config(d: dict):
@@ -72,17 +78,33 @@ def prompts(vocab: int, lens, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
+def tie_rule_topk(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """``Tensor.topk`` under cpgraph's tie rule: higher score first, equal scores -> lower index first.
+
+    A stable descending sort (comparisons treat ``-0.0 == 0.0`` and put NaN
+    first), written independently of cpgraph's int64-key implementation.
+    """
+    assert largest, "the indexer only asks for the largest scores"
+    order = torch.sort(scores, dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
+    return torch.return_types.topk((scores.gather(dim, order), order))
+
+
 class TopkCapture:
     """Run the HF model on one prompt and record, per layer, HF's top-k and the index scores it ranked.
 
     ``Tensor.topk`` is wrapped only while an indexer module runs, so the
-    recorded scores are exactly the ones transformers selected from.  The
+    recorded scores are exactly the ones transformers selected from.  With
+    ``tie_rule=True`` (the default) the indexer's selection itself follows
+    cpgraph's tie rule (:func:`tie_rule_topk`); ``torch.topk`` would pick an
+    arbitrary member of a tie, which on few-head indexers changes the logits
+    by tens of percent.  Other ``topk`` calls (the MoE router) are untouched.  The
     attention modules' outputs give each layer's top-k as used (GLM returns
     it; for DeepSeek every layer runs its own indexer).
     """
 
-    def __init__(self, hf):
+    def __init__(self, hf, tie_rule: bool = True):
         self.hf = hf
+        self.tie_rule = tie_rule
 
     @staticmethod
     def _after_indexer(used, current, i, module, args, output):
@@ -99,10 +121,10 @@ class TopkCapture:
         orig_topk = torch.Tensor.topk
 
         def topk_spy(t, k, *a, **kw):
-            out = orig_topk(t, k, *a, **kw)
-            if current["layer"] is not None:
-                scores[current["layer"]] = t.detach().clone()
-            return out
+            if current["layer"] is None:
+                return orig_topk(t, k, *a, **kw)
+            scores[current["layer"]] = t.detach().clone()
+            return (tie_rule_topk if self.tie_rule else orig_topk)(t, k, *a, **kw)
 
         for i, layer in enumerate(layers):
             ind = layer.self_attn.indexer

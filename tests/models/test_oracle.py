@@ -2,7 +2,10 @@
 
 Two configs per model type (see ``hf_oracle.config_variants``): 4 vs 2
 attention heads, top-k 16 vs 8, yarn vs default RoPE, GLM IndexCache
-patterns F S F S and F F S S.  Prompt lengths 5 and 12 are shorter than
+patterns F S F S and F F S S; plus three configs with 1-2 indexer heads,
+whose scores tie exactly (ReLU zeros, negative head weights), for the top-k
+tie rule.  transformers' indexer top-k is patched to the same rule
+(``hf_oracle.tie_rule_topk``).  Prompt lengths 5 and 12 are shorter than
 top-k (or close), 37 and 50 longer, so both the "attend to everything" and
 the truly sparse regime are covered.
 """
@@ -16,7 +19,8 @@ from cpgraph.models import prefill, prefill_logits
 
 from hf_oracle import TopkCapture, cached_pair, prompts
 
-VARIANTS = ["ds-a", "ds-b", "glm-a", "glm-b"]
+VARIANTS = ["ds-a", "ds-b", "glm-a", "glm-b", "ds-tie1", "ds-tie2", "glm-tie2"]
+TIE_VARIANTS = {"ds-tie1", "ds-tie2", "glm-tie2"}  # 1-2 indexer heads: exact score ties are common
 LENS = [5, 12, 37, 50]
 
 
@@ -87,6 +91,43 @@ def test_topk_sets_match_hf(oracle):
                 checked += 1
         row0 += n
     assert checked == sum(len(p) for p in ps) * cfg.num_hidden_layers
+
+
+def test_topk_and_logits_equal_hf_under_tie_rule(oracle):
+    """Same tie rule on both sides: identical selections (not just tie-tolerant sets), logits to ~1e-6.
+
+    Rows whose boundary scores differ but lie within fp32 rounding of each
+    other may still flip (the two sides sum heads in different orders);
+    those are counted and must stay rare.  Exactly tied rows must agree.
+    """
+    name, _, model, ps, res, runs = oracle
+    cfg = model.config
+    k = cfg.index_topk
+    ks = res.meta.ks
+    row0 = exact_ties = near = rows = 0
+    for i, (hf_logits, hf_scores, hf_used) in enumerate(runs):
+        n = len(ps[i])
+        err = rel_err(res.logits[i], hf_logits)
+        assert err <= 1e-5, f"{name} prompt {i}: relative error {err:.2e}"
+        for layer in cfg.indexer_layers:
+            for s in range(n):
+                ids = res.topk[layer][row0 + s]
+                mine = set((ids[ids >= 0] - ks[row0 + s]).tolist())
+                theirs = set(t for t in hf_used[layer][s].tolist() if t <= s)
+                rows += 1
+                window = hf_scores[layer][s][: s + 1]
+                if s + 1 > k:
+                    top = window.sort(descending=True).values
+                    kth, nxt = float(top[k - 1]), float(top[k])
+                    exact_ties += kth == nxt
+                    if kth != nxt and kth - nxt <= 1e-5 * max(1.0, abs(kth)):
+                        near += 1
+                        continue
+                assert mine == theirs, f"{name} prompt {i} layer {layer} row {s}: {sorted(mine ^ theirs)}"
+        row0 += n
+    assert near <= 0.02 * rows, f"{name}: {near} of {rows} rows had near ties"
+    if name in TIE_VARIANTS:
+        assert exact_ties >= 10, f"{name}: only {exact_ties} rows tie exactly at the top-k boundary"
 
 
 def test_shared_layers_reuse_previous_topk(oracle):

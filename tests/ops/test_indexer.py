@@ -4,7 +4,10 @@ Every op is compared with a brute force written here with plain Python loops
 (or the transformers DeepSeek-V3.2 indexer as an external oracle), never with
 its own reference.  Top-k results are compared in a tie-robust way: a pick
 is correct if it is a valid top-k *set* for the scores; exact set equality
-is asserted only where the k-th and (k+1)-th scores are separated.
+is asserted only where the k-th and (k+1)-th scores are separated.  The tie
+rule (equal scores: lower position first) is checked exactly against a
+plain sort key on batches built to tie (few distinct values, integer
+inputs, duplicated keys).
 """
 
 from __future__ import annotations
@@ -292,6 +295,111 @@ def test_topk_ragged_and_paged_on_planned_batch(rank):
         assert p == [int(kv_slots[t]) if t >= 0 else -1 for t in r]
         differs += r != p
     assert differs > 0, "the two coordinate spaces must differ on this batch"
+
+
+# ---------------------------------------------------------------- tie rule
+def brute_tie_rule(scores, lo, hi, topk):
+    """Top-k of window [lo, hi) by the tie rule, written as a plain sort key.
+
+    Higher score first; NaN above every number (all NaNs equal); -0.0 == 0.0
+    (Python compares them equal); equal scores: lower column first.
+    """
+    def rank(t):
+        v = scores[t]
+        return (0, 0.0, t) if math.isnan(v) else (1, -v, t)
+
+    picks = sorted(range(lo, hi), key=rank)[:topk]
+    return picks + [-1] * (topk - len(picks))
+
+
+def tied_logits(g, M, N):
+    """Scores full of exact ties: few distinct values, +-0.0, +-inf and NaN mixed in."""
+    pool = torch.tensor([0.0, -0.0, 0.0, 1.0, -1.0, 0.5, 2.0, float("inf"), float("-inf"), float("nan")])
+    pick = torch.randint(0, len(pool), (M, N), generator=g)
+    return pool[pick]
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), M=st.integers(0, 6), N=st.integers(0, 16), topk=st.integers(1, 10))
+def test_topk_tie_rule_matches_brute_force(seed, M, N, topk):
+    g = torch.Generator().manual_seed(seed)
+    logits = tied_logits(g, M, N)
+    ks, ke = random_windows(g, M, N)
+    slots = torch.randperm(N + 7, generator=g)[:N] * 3  # physical slots in no particular order
+    ragged = ops.topk_ragged(logits, ks, ke, topk)
+    paged = ops.topk_paged(logits, ks, ke, topk, slots)
+    for s in range(M):
+        want = brute_tie_rule(logits[s].tolist(), int(ks[s]), int(ke[s]), topk)
+        assert ragged[s].tolist() == want, f"row {s}"
+        assert paged[s].tolist() == [int(slots[t]) if t >= 0 else -1 for t in want], f"row {s}"
+
+
+def test_tie_rule_negative_zero_and_nan_are_single_values():
+    # -0.0 ties with 0.0 (position decides); NaN ranks first; -inf inside the window is still a key.
+    logits = torch.tensor([[-0.0, 0.0, float("-inf"), float("nan"), -0.0, 1.0]])
+    got = ops.topk_ragged(logits, torch.tensor([0]), torch.tensor([6]), 7)
+    assert got.tolist() == [[3, 5, 0, 1, 4, 2, -1]]
+    got = ops.topk_ragged(logits, torch.tensor([1]), torch.tensor([5]), 2)
+    assert got.tolist() == [[3, 1]]
+
+
+def integer_tie_inputs(seed, M, H, D, N, dup=True):
+    """Scoring inputs whose scores are exact in fp32 whatever the summation order, with many ties.
+
+    Small integers everywhere (every product and partial sum is an exact
+    integer), mixed-sign head weights, and duplicated key rows; ReLU zeros
+    come from keys that every head dots negatively.
+    """
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (M, H, D), generator=g).float()
+    k = torch.randint(-2, 3, (N, D), generator=g).float()
+    if dup and N > 1:
+        src = torch.randint(0, N, (N,), generator=g)
+        take = torch.rand(N, generator=g) < 0.4
+        k = torch.where(take[:, None], k[src], k)
+    w = torch.randint(-2, 3, (M, H), generator=g).float()
+    return q, k, w
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), M=st.integers(1, 6), H=st.integers(1, 3), N=st.integers(1, 14),
+       topk=st.integers(1, 9))
+def test_indexer_topk_tie_rule_any_chunking(seed, M, H, N, topk):
+    q, k, w = integer_tie_inputs(seed, M, H, 4, N)
+    ks, ke = random_windows(torch.Generator().manual_seed(seed + 1), M, N)
+    scores = brute_logits(q, k, w, ks, ke)
+    want = [brute_tie_rule(scores[s], int(ks[s]), int(ke[s]), topk) for s in range(M)]
+    for budget in (1, 4 * N, 4 * N * 2 + 3, 1 << 40):
+        got = ops.indexer_topk(q, k, w, ks, ke, topk, budget)
+        assert got.tolist() == want, f"budget {budget}"
+    assert ops.topk_ragged(ops.indexer_logits(q, k, w, ks, ke), ks, ke, topk).tolist() == want
+
+
+def test_tie_rule_same_on_every_cp_rank_as_on_one_device():
+    """Each token's selection is the same whichever rank (and chunk of rows) computes it."""
+    prefix, extend, topk, H, D = [8, 0, 4], [13, 10, 6], 5, 2, 4
+    one = plan_prefill(prefix, extend, cp_size=1, page_size=4)
+    N = int(one.kv_lens.sum())
+    T = sum(extend)
+    q_tok, k, w_tok = integer_tie_inputs(3, T, H, D, N)
+    r1 = one.rank(0)
+    single = ops.indexer_topk(q_tok[r1.token_index], k, w_tok[r1.token_index], r1.ks, r1.ke, topk, 1 << 30)
+    by_token = {int(t): single[s].tolist() for s, t in enumerate(r1.token_index.tolist()) if t >= 0}
+    ties = 0
+    scores = brute_logits(q_tok[r1.token_index], k, w_tok[r1.token_index], r1.ks, r1.ke)
+    for s in range(r1.num_valid):
+        row = sorted(scores[s][int(r1.ks[s]) : int(r1.ke[s])], reverse=True)
+        ties += len(row) > topk and row[topk - 1] == row[topk]
+    assert ties >= 5, "the batch must tie at the top-k boundary"
+    for cp in (2, 3):
+        plan = plan_prefill(prefix, extend, cp_size=cp, page_size=4, row_align=4)
+        assert list(plan.kv_start) == list(one.kv_start) and list(plan.kv_lens) == list(one.kv_lens)
+        for r in range(cp):
+            rp = plan.rank(r)
+            tok = rp.token_index.clamp(min=0)
+            got = ops.indexer_topk(q_tok[tok], k, w_tok[tok], rp.ks, rp.ke, topk, 4 * N * 2)
+            for s, t in enumerate(rp.token_index.tolist()):
+                assert got[s].tolist() == (by_token[t] if t >= 0 else [-1] * topk), f"cp {cp} rank {r} row {s}"
 
 
 # --------------------------------------------------------------- indexer_topk
