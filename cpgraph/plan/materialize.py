@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .plan import CPPlan, _exclusive_cumsum
+from .plan import MAX_ROWS, CPPlan, _exclusive_cumsum
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,23 @@ def materialize_descriptors(
             f"page on rank {rank} (must be -1)"
         )
 
+    # Slots and gathered rows are int32-addressable (docs/plan.md, "Bounds"): check before allocating.
+    bad = mine & (local > (MAX_ROWS + 1) // ps - 1)
+    if bad.any():
+        raise ValueError(
+            f"local_prefix_pages: page {int(local[np.argmax(bad)])} at {_first_bad(bad, req, page_in_req)} "
+            f"has slots past {MAX_ROWS} (2**31 - 1) with page_size {ps}"
+        )
+
     # Prefix: k-th owned page of each owner, in full-view (request, page) order.
     counts = np.bincount(owners, minlength=cp)
     pages_per_rank = int(counts.max()) if num_pages else 0
+    gathered = cp * (pages_per_rank * ps + plan.num_rows)
+    if gathered > MAX_ROWS:
+        raise ValueError(
+            f"materialize: the all-gather would have {cp} ranks x ({pages_per_rank * ps} prefix + {plan.num_rows} "
+            f"compute) rows = {gathered}, more than {MAX_ROWS} (2**31 - 1); split the batch"
+        )
     order = np.argsort(owners, kind="stable")
     slot_in_owner = np.empty(num_pages, dtype=np.int64)
     slot_in_owner[order] = np.arange(num_pages, dtype=np.int64) - _exclusive_cumsum(counts)[owners[order]]

@@ -45,6 +45,17 @@ ROW_VALID = 0
 ROW_COMPUTE_PAD = 1  # CP compute padding: evens out row counts across ranks
 ROW_STATIC_PAD = 2  # static padding: rounds rows up to ``row_align``
 
+# Input bounds (docs/plan.md, "Bounds").  Top-k ids are int32 row ids of the
+# flattened full view and kernels index rows and slots with int32, so every
+# coordinate the plan emits (positions, full-view rows, gathered rows) must
+# stay below 2**31; checking with Python ints before any NumPy arithmetic
+# also keeps int64 from wrapping.  cp_size and the per-request chunk table
+# ([B, 2*cp] int64 arrays, several of them) are bounded so planning and the
+# ``cpgraph plan`` report stay small: real CP groups are 2-64 ranks.
+MAX_ROWS = 2**31 - 1
+MAX_CP_SIZE = 1024
+MAX_PLAN_CELLS = 2**22  # requests * 2 * cp_size
+
 
 def _as_int_list(name: str, values: Sequence[int]) -> list[int]:
     try:
@@ -61,12 +72,19 @@ def _check_inputs(prefix_lens, extend_lens, cp_size, page_size, row_align):
     for name, v in (("cp_size", cp_size), ("page_size", page_size), ("row_align", row_align)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise ValueError(f"{name} must be an integer, got {v!r}")
+    cp_size, page_size, row_align = int(cp_size), int(page_size), int(row_align)
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if cp_size > MAX_CP_SIZE:
+        raise ValueError(f"cp_size must be <= {MAX_CP_SIZE}, got {cp_size}")
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if page_size > MAX_ROWS:
+        raise ValueError(f"page_size must be < 2**31, got {page_size}")
     if row_align < 1:
         raise ValueError(f"row_align must be >= 1, got {row_align}")
+    if row_align > MAX_ROWS:
+        raise ValueError(f"row_align must be < 2**31, got {row_align}")
     prefix = _as_int_list("prefix_lens", prefix_lens)
     extend = _as_int_list("extend_lens", extend_lens)
     if len(prefix) != len(extend):
@@ -76,16 +94,33 @@ def _check_inputs(prefix_lens, extend_lens, cp_size, page_size, row_align):
         )
     if not extend:
         raise ValueError("the batch has no requests")
+    cells = len(extend) * 2 * cp_size
+    if cells > MAX_PLAN_CELLS:
+        raise ValueError(
+            f"the plan table would have {len(extend)} requests x {2 * cp_size} chunks = {cells} cells, "
+            f"more than {MAX_PLAN_CELLS}; split the batch or use a smaller cp_size"
+        )
+    kv_rows = 0
     for i, (p, e) in enumerate(zip(prefix, extend)):
         if e < 1:
             raise ValueError(f"request {i}: extend length must be >= 1, got {e}")
+        if e > MAX_ROWS:
+            raise ValueError(f"request {i}: extend length must be < 2**31, got {e}")
         if p < 0:
             raise ValueError(f"request {i}: prefix length must be >= 0, got {p}")
+        if p > MAX_ROWS:
+            raise ValueError(f"request {i}: prefix length must be < 2**31, got {p}")
         if p % page_size:
             raise ValueError(
                 f"request {i}: prefix length {p} is not a multiple of page_size {page_size} "
                 "(cached prefixes are page aligned; floor radix hits to whole pages)"
             )
+        kv_rows += p + -(-e // page_size) * page_size  # Python ints: cannot wrap
+    if kv_rows > MAX_ROWS:
+        raise ValueError(
+            f"the batch's full KV view would have {kv_rows} rows (prefixes + extend pages of all requests), "
+            f"more than {MAX_ROWS} (2**31 - 1); split the batch"
+        )
     return prefix, extend
 
 
@@ -223,6 +258,11 @@ class CPPlan:
         raw = max(int(self.valid_per_rank.max()), 1)
         self.compute_rows = raw  # rows before static (bucket) padding
         self.num_rows = -(-raw // row_align) * row_align
+        if self.cp_size * self.num_rows > MAX_ROWS:
+            raise ValueError(
+                f"the all-gather of compute rows would have cp_size {self.cp_size} x {self.num_rows} rows = "
+                f"{self.cp_size * self.num_rows}, more than {MAX_ROWS} (2**31 - 1); split the batch or lower row_align"
+            )
         # Rank-local row offset of each (rank, request, side) segment; side 0 = prev, 1 = next.
         n = 2 * self.cp_size
         ranks = np.arange(self.cp_size)
@@ -231,6 +271,8 @@ class CPPlan:
         seg_len = seg_len.transpose(1, 0, 2).reshape(self.cp_size, -1)  # [cp, B*2] in row order
         self._seg_len = seg_len
         self._seg_row = np.cumsum(seg_len, axis=1) - seg_len  # [cp, B*2]
+        self._extend_page_owner: np.ndarray | None = None
+        self._last_token: tuple[np.ndarray, np.ndarray] | None = None
 
     # ------------------------------------------------------------------ pages
     @property
@@ -260,10 +302,78 @@ class CPPlan:
         return np.repeat(owners.reshape(-1), sizes.reshape(-1))
 
     # ------------------------------------------------------------------ ranks
-    def rank(self, r: int, *, rerange: bool = False) -> RankPlan:
-        """Build rank ``r``'s bundle (CPU tensors); ``rerange`` adds ``rerange_index``."""
+    @property
+    def extend_page_owner(self) -> np.ndarray:
+        """Owner rank of every extend page, request-major (computed once; read-only)."""
+        if self._extend_page_owner is None:
+            owners = self._extend_page_owner_of(np.arange(self.num_requests))
+            owners.setflags(write=False)
+            self._extend_page_owner = owners
+        return self._extend_page_owner
+
+    def rank_segments(self, r: int) -> list[tuple[int, int, int]]:
+        """``(request, first position, end position)`` of each non-empty row run of rank ``r``, in row order.
+
+        O(requests): reports read this instead of building the rank's rows.
+        """
+        self._check_rank(r)
+        lens = self._seg_len[r]
+        k = np.flatnonzero(lens)
+        req = k // 2
+        start = self.prefix_lens[req] + self.split.tok_start[req, self._seg_chunk[r, k % 2]]
+        return list(zip(req.tolist(), start.tolist(), (start + lens[k]).tolist()))
+
+    def page_owner_runs(self, i: int) -> list[tuple[int, int, int]]:
+        """``(first page, end page, owner)`` runs of request ``i``'s extend pages (O(cp), not O(pages))."""
+        self._check_request(i)
+        sp = self.split
+        a, b = sp.page_start[i], sp.page_end[i]
+        keep = b > a
+        runs: list[tuple[int, int, int]] = []
+        for a, b, o in zip(a[keep].tolist(), b[keep].tolist(), chunk_owner(2 * self.cp_size)[keep].tolist()):
+            if runs and runs[-1][2] == o and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b, o)
+            else:
+                runs.append((a, b, o))
+        return runs
+
+    def _check_rank(self, r) -> None:
         if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {r!r}")
+
+    def rank(self, r: int, *, rerange: bool = False) -> RankPlan:
+        """Build rank ``r``'s bundle (CPU tensors); ``rerange`` adds ``rerange_index``."""
+        rows = self._rank_rows(r)
+        return RankPlan(
+            rank=int(r),
+            cp_size=self.cp_size,
+            page_size=self.page_size,
+            num_rows=self.num_rows,
+            num_valid=rows["num_valid"],
+            compute_padding=int(self.compute_rows - rows["num_valid"]),
+            static_padding=self.static_padding,
+            token_index=_t(rows["token_index"]),
+            positions=_t(rows["positions"]),
+            req_index=_t(rows["req_index"]),
+            ks=_t(rows["ks"]),
+            ke=_t(rows["ke"]),
+            row_kind=_t(rows["row_kind"]),
+            valid_rows=torch.arange(rows["num_valid"], dtype=torch.int64),
+            num_valid_tensor=torch.tensor([rows["num_valid"]], dtype=torch.int64),
+            prefix_lens=_t(self.prefix_lens),
+            extend_lens=_t(self.extend_lens),
+            extend_start=_t(self.extend_start),
+            kv_start=_t(self.kv_start),
+            kv_lens=_t(self.kv_lens),
+            last_token_index=_t(self.last_token_index),
+            extend_page_owner=torch.from_numpy(self.extend_page_owner.copy()),
+            extend_page_start=_t(_exclusive_cumsum(self.num_pages)),
+            rerange_index=_t(self.rerange_index) if rerange else None,
+        )
+
+    def _rank_rows(self, r: int) -> dict:
+        """Rank ``r``'s per-row arrays (NumPy), O(rows + requests)."""
+        self._check_rank(r)
         sp = self.split
         B = self.num_requests
         seg_req = np.repeat(np.arange(B, dtype=np.int64), 2)
@@ -288,34 +398,8 @@ class CPPlan:
         ke[:nv] = ks[:nv] + positions[:nv] + 1
         row_kind[:nv] = ROW_VALID
         row_kind[nv : self.compute_rows] = ROW_COMPUTE_PAD
-
-        owners = self._extend_page_owner_of(np.arange(B))
-        return RankPlan(
-            rank=int(r),
-            cp_size=self.cp_size,
-            page_size=self.page_size,
-            num_rows=M,
-            num_valid=nv,
-            compute_padding=int(self.compute_rows - nv),
-            static_padding=self.static_padding,
-            token_index=_t(token_index),
-            positions=_t(positions),
-            req_index=_t(req_index),
-            ks=_t(ks),
-            ke=_t(ke),
-            row_kind=_t(row_kind),
-            valid_rows=torch.arange(nv, dtype=torch.int64),
-            num_valid_tensor=torch.tensor([nv], dtype=torch.int64),
-            prefix_lens=_t(self.prefix_lens),
-            extend_lens=_t(self.extend_lens),
-            extend_start=_t(self.extend_start),
-            kv_start=_t(self.kv_start),
-            kv_lens=_t(self.kv_lens),
-            last_token_index=_t(self.last_token_index),
-            extend_page_owner=_t(owners),
-            extend_page_start=_t(_exclusive_cumsum(self.num_pages)),
-            rerange_index=_t(self.rerange_index) if rerange else None,
-        )
+        return dict(num_valid=nv, token_index=token_index, positions=positions, req_index=req_index, ks=ks, ke=ke,
+                    row_kind=row_kind)
 
     # ---------------------------------------------------------------- rerange
     @property
@@ -331,6 +415,12 @@ class CPPlan:
         return int(rank[i]), int(row[i])
 
     def _last_token_rank_row(self) -> tuple[np.ndarray, np.ndarray]:
+        # Cached: per-request callers (reports, to_dict) would otherwise pay O(B * cp) each.
+        if self._last_token is None:
+            self._last_token = self._compute_last_token_rank_row()
+        return self._last_token
+
+    def _compute_last_token_rank_row(self) -> tuple[np.ndarray, np.ndarray]:
         sp = self.split
         last = self.extend_lens - 1
         # Empty chunks only occur at the back (the remainder goes to the front
@@ -367,19 +457,14 @@ class CPPlan:
         """A JSON-ready description of the whole plan (all ranks; for tools, not hot paths)."""
         ranks = []
         for r in range(self.cp_size):
-            rp = self.rank(r)
+            rows = self._rank_rows(r)  # rows only: each rank costs O(M + B), the whole dict O(cp * M + B * cp)
             ranks.append(
                 {
                     "rank": r,
-                    "num_valid": rp.num_valid,
-                    "compute_padding": rp.compute_padding,
-                    "static_padding": rp.static_padding,
-                    "token_index": rp.token_index.tolist(),
-                    "req_index": rp.req_index.tolist(),
-                    "positions": rp.positions.tolist(),
-                    "ks": rp.ks.tolist(),
-                    "ke": rp.ke.tolist(),
-                    "row_kind": rp.row_kind.tolist(),
+                    "num_valid": rows["num_valid"],
+                    "compute_padding": int(self.compute_rows - rows["num_valid"]),
+                    "static_padding": self.static_padding,
+                    **{k: rows[k].tolist() for k in ("token_index", "req_index", "positions", "ks", "ke", "row_kind")},
                 }
             )
         return {

@@ -1,21 +1,13 @@
-"""Human-readable map of a :class:`CPPlan` (the ``cpgraph plan`` report)."""
+"""Human-readable map of a :class:`CPPlan` (the ``cpgraph plan`` report).
+
+The report is built from the plan's chunk table (owner runs per request,
+row runs per rank), never from per-token or per-page rows, so its cost is
+O(requests * cp) -- the size of the text it prints -- whatever the lengths.
+"""
 
 from __future__ import annotations
 
-import numpy as np
-
 from .plan import CPPlan
-
-
-def _runs(values: list[int]) -> list[tuple[int, int, int]]:
-    """Group equal consecutive values: ``[(start, end_exclusive, value), ...]``."""
-    out: list[tuple[int, int, int]] = []
-    for i, v in enumerate(values):
-        if out and out[-1][2] == v and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1, v)
-        else:
-            out.append((i, i + 1, v))
-    return out
 
 
 def _span(a: int, b: int) -> str:
@@ -33,36 +25,31 @@ def render_plan(plan: CPPlan) -> str:
     for i in range(plan.num_requests):
         pre, ext = int(plan.prefix_lens[i]), int(plan.extend_lens[i])
         first = pre // ps
-        owners = plan.page_owners(i)
-        runs = ", ".join(f"p{_span(first + a, first + b)}->r{v}" for a, b, v in _runs(owners))
+        owner_runs = plan.page_owner_runs(i)
+        runs = ", ".join(f"p{_span(first + a, first + b)}->r{v}" for a, b, v in owner_runs)
+        n_pages = int(plan.num_pages[i])
         rank, row = plan.last_token_owner(i)
         lines.append(
             f"  req {i}: prefix {pre} ({first} cached page(s)), extend {ext} "
-            f"({len(owners)} page(s), tail slack {int(plan.page_tail_slack[i])})"
+            f"({n_pages} page(s), tail slack {int(plan.page_tail_slack[i])})"
         )
         lines.append(f"         pages: {runs}")
         lines.append(f"         last token (pos {pre + ext - 1}) on rank {rank}, row {row}")
     lines += ["", f"Ranks (M = {plan.num_rows} rows each):"]
+    compute_padding = plan.compute_padding
     for r in range(cp):
-        rp = plan.rank(r)
-        req = rp.req_index.numpy()
-        tok = rp.positions.numpy()
-        parts = []
-        for a, b, v in _runs(req.tolist()):
-            if v < 0:
-                continue
-            # A request's rows on a rank may be two position runs (prev + next chunk).
-            pos = tok[a:b]
-            breaks = np.flatnonzero(np.diff(pos) != 1) + 1
-            for seg in np.split(pos, breaks):
-                parts.append(f"req{v}[pos {_span(int(seg[0]), int(seg[-1]) + 1)}]")
-        pad = rp.compute_padding + rp.static_padding
-        dummy = f"row(s) {_span(rp.num_valid, rp.num_rows)}" if pad else "none"
-        lines.append(f"  rank {r}: {rp.num_valid} valid row(s): {' '.join(parts) if parts else '(none)'}")
-        lines.append(
-            f"          dummy rows: {dummy} ({rp.compute_padding} compute padding, "
-            f"{rp.static_padding} static padding)"
-        )
+        merged: list[list[int]] = []  # a rank's prev and next chunks of one request may touch: print one run
+        for i, a, b in plan.rank_segments(r):
+            if merged and merged[-1][0] == i and merged[-1][2] == a:
+                merged[-1][2] = b
+            else:
+                merged.append([i, a, b])
+        parts = [f"req{i}[pos {_span(a, b)}]" for i, a, b in merged]
+        num_valid = int(plan.valid_per_rank[r])
+        comp, static = int(compute_padding[r]), plan.static_padding
+        dummy = f"row(s) {_span(num_valid, plan.num_rows)}" if comp + static else "none"
+        lines.append(f"  rank {r}: {num_valid} valid row(s): {' '.join(parts) if parts else '(none)'}")
+        lines.append(f"          dummy rows: {dummy} ({comp} compute padding, {static} static padding)")
     lines += [
         "",
         "Padding by domain:",

@@ -240,3 +240,99 @@ def test_rank_and_request_bounds():
         plan.page_owners(1)
     with pytest.raises(ValueError, match="request index must be in"):
         plan.last_token_owner(-1)
+
+
+# ------------------------------------------------------------------ bounds
+@pytest.mark.parametrize(
+    "prefix,extend,kwargs,message",
+    [
+        ([0], [2**63 - 1], {}, "request 0: extend length must be < 2**31, got 9223372036854775807"),
+        ([0, 0], [5, 2**31], {}, "request 1: extend length must be < 2**31, got 2147483648"),
+        ([2**40], [5], {}, "request 0: prefix length must be < 2**31, got 1099511627776"),
+        # Each length fits, the batch's full view does not: 2**30 + 2**30 rows.
+        ([0, 0], [2**30, 2**30], dict(page_size=1), "full KV view would have 2147483648 rows"),
+        # Page rounding pushes the view past the bound: 2**31 - 1 tokens in pages of 64.
+        ([0], [2**31 - 1], {}, "full KV view would have 2147483648 rows"),
+        ([0], [5], dict(cp_size=1025), "cp_size must be <= 1024, got 1025"),
+        ([0], [5], dict(page_size=2**31), "page_size must be < 2**31, got 2147483648"),
+        ([0], [5], dict(row_align=2**31), "row_align must be < 2**31, got 2147483648"),
+        # cp * M gathered rows: 2 ranks x (2**30 + 1) rows.
+        ([0], [5], dict(row_align=2**30 + 1), "all-gather of compute rows would have cp_size 2 x 1073741825 rows"),
+        ([0] * 2049, [1] * 2049, dict(cp_size=1024), "2049 requests x 2048 chunks = 4196352 cells, more than 4194304"),
+    ],
+)
+def test_lengths_and_sizes_are_bounded(prefix, extend, kwargs, message):
+    args = dict(cp_size=2, page_size=64)
+    args.update(kwargs)
+    with pytest.raises(ValueError) as err:
+        plan_prefill(prefix, extend, **args)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_lengths_at_the_bound_do_not_wrap():
+    # The largest page-aligned batch: its coordinates stay positive and exact (no int64 wrap, no int32 overflow).
+    plan = plan_prefill([2**31 - 2**20 - 64], [2**20], cp_size=8, page_size=64)
+    assert plan.kv_lens.tolist() == [2**31 - 64] and plan.kv_start.tolist() == [0]
+    assert plan.cp_size * plan.num_rows <= 2**31 - 1
+    rank, row = plan.last_token_owner(0)
+    assert plan.rank(rank).positions[row] == 2**31 - 64 - 1
+    assert plan_prefill([0], [5], cp_size=1024, page_size=64).num_rows == 5  # the largest cp is accepted
+    assert plan_prefill([0] * 2048, [1] * 2048, cp_size=1024, page_size=64).num_requests == 2048
+
+
+def test_report_and_dict_do_not_build_rows_per_rank(monkeypatch):
+    """The ``cpgraph plan`` report reads the chunk table: O(requests * cp), never one rank bundle per rank."""
+    from cpgraph.plan import plan as plan_mod
+    from cpgraph.plan.render import render_plan
+
+    plan = plan_prefill([0, 64], [5, 700], cp_size=1024, page_size=4)
+    expected_dict = plan.to_dict()
+    calls = {"last": 0}
+    compute_last = plan_mod.CPPlan._compute_last_token_rank_row
+
+    def counted(self):
+        calls["last"] += 1
+        return compute_last(self)
+
+    def forbidden(self, *a, **k):
+        raise AssertionError("rendering built a full rank bundle")
+
+    monkeypatch.setattr(plan_mod.CPPlan, "_compute_last_token_rank_row", counted)
+    monkeypatch.setattr(plan_mod.CPPlan, "rank", forbidden)
+    fresh = plan_prefill([0, 64], [5, 700], cp_size=1024, page_size=4)
+    text = render_plan(fresh)
+    assert fresh.to_dict() == expected_dict
+    assert calls["last"] == 1  # per-request last-token lookups share one O(B * cp) computation
+    lines = text.splitlines()
+    assert sum(line.startswith("  rank ") for line in lines) == 1024
+    assert "  rank 1023: 0 valid row(s): (none)" in lines
+    # Request 1's 175 pages in 2048 chunks: 175 one-page chunks, each on its own rank.
+    assert "p16->r0, p17->r1" in text
+
+
+def test_report_merges_touching_chunks_of_one_rank():
+    from cpgraph.plan.render import render_plan
+
+    text = render_plan(plan_prefill([4, 0], [13, 6], cp_size=2, page_size=4))
+    assert "  rank 1: 10 valid row(s): req0[pos 8-15] req1[pos 4-5]" in text.splitlines()
+    assert "pages: p1->r0, p2-3->r1, p4->r0" in text
+
+
+def test_cli_plan_huge_cp_is_one_line_error(capsys):
+    from cpgraph.cli import main
+
+    assert main(["plan", "--extend", "5", "--cp", "10000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cp_size must be <= 1024, got 10000000" in err and "\n" not in err
+
+
+def test_materialize_bounds_slots_and_gathered_rows():
+    from cpgraph.plan import materialize_descriptors
+
+    plan = plan_prefill([64], [5], cp_size=2, page_size=64)
+    with pytest.raises(ValueError, match=r"page 33554432 at request 0, prefix page 0 has slots past 2147483647"):
+        materialize_descriptors(plan, [[0]], [[2**25]], rank=0)
+    assert materialize_descriptors(plan, [[0]], [[2**25 - 1]], rank=0).send_slots.max() == 2**31 - 1
+    big = plan_prefill([2**30], [5], cp_size=2, page_size=2**20)  # 1024 prefix pages, all on rank 0
+    with pytest.raises(ValueError, match=r"all-gather would have 2 ranks x \(1073741824 prefix \+ 5 compute\)"):
+        materialize_descriptors(big, [[0] * 1024], [list(range(1024))], rank=0)
