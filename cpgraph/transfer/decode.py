@@ -7,6 +7,14 @@ minimum over ranks), and on abort sends ABORT to every rank and frees the
 pages only after every ACK -- pages of an un-ACKed room stay quarantined,
 because a late write could still land in them.
 
+Each room gets a fresh 128-bit secret (``secrets.token_hex``) sent with
+REGISTER; only a client presenting it may POLL or ABORT the room on a
+prefill rank (``docs/security.md``).  If any rank refuses a registration,
+the ranks that already accepted it are sent ABORT before the pages are
+freed (or quarantined, without every ACK).  A reply that is not the
+expected frame for the room -- wrong type, wrong room, a status outside
+:class:`RoomStatus` -- counts as Failed, never as an exception.
+
 :func:`decode_meta` builds the :class:`BatchMeta` of one decode step: one
 row per request at position ``L`` (its prompt length) over a full view of
 its ``L`` cached rows plus the new row.  The planner cannot express this
@@ -17,6 +25,7 @@ what ``build_batch`` produces (tested).
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Sequence
 
@@ -32,6 +41,9 @@ from .frames import FrameError
 from .layout import PoolLayout
 from .sender import AUX_BYTES
 from .status import RoomStatus, StatusTable, agree
+
+
+_STATUS_VALUES = frozenset(int(s) for s in RoomStatus)
 
 
 class TransferRefused(RuntimeError):
@@ -56,35 +68,54 @@ class DecodeSide:
         """Allocate pages, register them with every prefill peer; returns the room's page table."""
         if not 0 <= room < self.aux.shape[0]:
             raise ValueError(f"room must be in [0, {self.aux.shape[0]}), got {room}")
+        if room in self.rooms:
+            raise ValueError(f"room {room} is already open on this decode")
         ps = self.pool.config.page_size
         table = self.pool.alloc_pages_with_owners([0] * ((prompt_len + 1 + ps - 1) // ps))
-        self.rooms[room] = {"table": table, "peers": list(peers), "len": prompt_len}
+        secret = secrets.token_hex(16)
+        self.rooms[room] = {"table": table, "peers": [], "len": prompt_len, "secret": secret}
         lay = self.layout
-        msg = {"type": "REGISTER", "room": room, "session": self.engine.session_id, "fingerprint": lay.fingerprint,
-               "page_size": lay.page_size, "mla_ptrs": list(lay.mla_ptrs), "mla_page_bytes": lay.mla_page_bytes,
-               "index_layers": list(lay.index_layers), "index_ptrs": list(lay.index_ptrs),
-               "index_page_bytes": lay.index_page_bytes, "dst_pages": table,
+        msg = {"type": "REGISTER", "room": room, "secret": secret, "session": self.engine.session_id,
+               "fingerprint": lay.fingerprint, "page_size": lay.page_size, "mla_ptrs": list(lay.mla_ptrs),
+               "mla_page_bytes": lay.mla_page_bytes, "index_layers": list(lay.index_layers),
+               "index_ptrs": list(lay.index_ptrs), "index_page_bytes": lay.index_page_bytes,
+               "num_pages": self.pool.config.num_pages, "prompt_len": prompt_len, "dst_pages": table,
                "aux_ptr": self.aux[room].data_ptr(), "aux_bytes": AUX_BYTES}
         for peer in peers:
-            reply = request(peer, msg, self.timeout)
-            if reply["type"] == "REFUSED":
-                self.statuses.fail(room)
-                self._free(room)
+            # Listed before the request: a peer whose reply is lost may still have accepted the room.
+            self.rooms[room]["peers"].append(peer)
+            try:
+                reply = request(peer, msg, self.timeout)
+            except (OSError, FrameError) as exc:
+                self.abort(room)
+                raise TransferRefused(f"prefill {peer} did not answer REGISTER of room {room}: {exc}") from None
+            if reply.get("type") == "REGISTER_OK" and reply.get("room") == room:
+                continue
+            self.rooms[room]["peers"].pop()  # it refused: nothing of this room is registered there
+            self.abort(room)
+            if reply.get("type") == "REFUSED":
                 raise TransferRefused(f"prefill rank {reply['rank']} refused room {room}: {reply['reason']}")
-            if reply["type"] != "REGISTER_OK":
-                raise FrameError(f"unexpected reply {reply['type']} to REGISTER")
+            raise TransferRefused(f"unexpected reply {reply.get('type')} to REGISTER of room {room}")
         self.statuses.update(room, RoomStatus.WAITING)
         return table
 
+    def _ask(self, peer: str, kind: str, room: int) -> dict | None:
+        """One POLL/ABORT with the room's secret; ``None`` on any transport or frame error."""
+        try:
+            reply = request(peer, {"type": kind, "room": room, "secret": self.rooms[room]["secret"]}, self.timeout)
+        except (OSError, FrameError):
+            return None
+        return reply if reply.get("room") == room else None
+
     def poll(self, room: int) -> RoomStatus:
-        """Minimum status over the prefill peers; an unreachable peer counts as Failed."""
+        """Minimum status over the prefill peers; an unreachable or refusing peer counts as Failed."""
+        if room not in self.rooms:
+            return self.statuses.get(room) if room in self.statuses else RoomStatus.FAILED
         seen = []
         for peer in self.rooms[room]["peers"]:
-            try:
-                reply = request(peer, {"type": "POLL", "room": room}, self.timeout)
-                seen.append(reply["status"] if reply["type"] == "STATUS" else RoomStatus.FAILED)
-            except (OSError, FrameError, KeyError):
-                seen.append(RoomStatus.FAILED)
+            reply = self._ask(peer, "POLL", room)
+            ok = reply is not None and reply.get("type") == "STATUS" and reply["status"] in _STATUS_VALUES
+            seen.append(reply["status"] if ok else RoomStatus.FAILED)
         return self.statuses.update(room, agree(seen))
 
     def wait(self, room: int, timeout: float) -> RoomStatus:
@@ -102,13 +133,12 @@ class DecodeSide:
     def abort(self, room: int) -> bool:
         """ABORT every peer; free the pages only if every peer ACKed (else quarantine them)."""
         self.statuses.fail(room)
+        if room not in self.rooms:
+            return True
         acked = True
         for peer in self.rooms[room]["peers"]:
-            try:
-                reply = request(peer, {"type": "ABORT", "room": room}, self.timeout)
-                acked &= reply["type"] == "ABORT_ACK"
-            except (OSError, FrameError):
-                acked = False
+            reply = self._ask(peer, "ABORT", room)
+            acked &= reply is not None and reply.get("type") == "ABORT_ACK"
         if acked:
             self._free(room)
         else:

@@ -41,6 +41,8 @@ class RoomTarget:
     dst_pages: np.ndarray  # decode physical page per logical page of the request
     aux_ptr: int
     aux_bytes: int
+    secret: str = ""  # the registrant's room secret (POLL/ABORT must present it)
+    request: dict | None = field(default=None, repr=False)  # the REGISTER frame, to recognise an identical resend
 
 
 @dataclass
@@ -129,9 +131,22 @@ class KVSender:
         self.engine, self.local, self.statuses = engine, local, statuses
         self.max_batch_bytes = int(max_batch_bytes)
         self.metrics: dict[int, TransferMetrics] = {}
+        self._lock = threading.Lock()
 
     def metric(self, room: int) -> TransferMetrics:
-        return self.metrics.setdefault(room, TransferMetrics())
+        """The room's counters, created on first use (only for rooms this rank sends: bounded by its rooms)."""
+        with self._lock:
+            return self.metrics.setdefault(room, TransferMetrics())
+
+    def bytes_sent(self, room: int) -> int:
+        """Bytes the engine completed for ``room``; 0 for a room never sent (creates no entry)."""
+        with self._lock:
+            m = self.metrics.get(room)
+        return 0 if m is None else m.bytes_sent
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self.metrics.pop(room, None)
 
     def plan(self, target: RoomTarget, table, page_start: int, page_end: int, last: bool) -> ChunkPlan:
         return ChunkPlan(target.room, target, owned_runs(table, target.dst_pages, page_start, page_end),

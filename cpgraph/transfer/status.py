@@ -41,6 +41,24 @@ class StatusTable:
         with self._lock:
             return self._status.get(room, RoomStatus.BOOTSTRAPPING)
 
+    def __contains__(self, room: int) -> bool:
+        with self._lock:
+            return room in self._status
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._status)
+
+    def forget(self, room: int) -> None:
+        """Drop the room's entry (the owner bounds the table; see ``PrefillPeer``)."""
+        with self._lock:
+            self._status.pop(room, None)
+
+    def finished(self) -> list[int]:
+        """Rooms in Success or Failed, oldest entry first (eviction candidates)."""
+        with self._lock:
+            return [r for r, s in self._status.items() if s in (RoomStatus.SUCCESS, RoomStatus.FAILED)]
+
     def update(self, room: int, status: int) -> RoomStatus:
         """Move ``room`` to ``status`` unless that goes backwards; returns the resulting status."""
         new = RoomStatus(status)

@@ -13,7 +13,8 @@ from cpgraph.transfer.frames import FrameError, decode_body, encode, recv_frame,
 from cpgraph.transfer.sender import cap_batches, owned_runs
 from cpgraph.transfer.status import RoomStatus, StatusTable, agree
 
-GOOD = {"type": "POLL", "room": 3}
+SECRET = "0123456789abcdef" * 2
+GOOD = {"type": "POLL", "room": 3, "secret": SECRET}
 
 
 def test_roundtrip():
@@ -35,9 +36,9 @@ def test_malformed_rejected(body):
 
 
 def test_register_lists_typed():
-    msg = {"type": "REGISTER", "room": 0, "session": "127.0.0.1:1", "fingerprint": "x", "page_size": 16,
-           "mla_ptrs": [1, 2], "mla_page_bytes": 4, "index_layers": [0], "index_ptrs": [3], "index_page_bytes": 4,
-           "dst_pages": [0, 1], "aux_ptr": 5, "aux_bytes": 32}
+    msg = {"type": "REGISTER", "room": 0, "secret": SECRET, "session": "127.0.0.1:1", "fingerprint": "x",
+           "page_size": 16, "mla_ptrs": [1, 2], "mla_page_bytes": 4, "index_layers": [0], "index_ptrs": [3],
+           "index_page_bytes": 4, "num_pages": 8, "prompt_len": 20, "dst_pages": [0, 1], "aux_ptr": 5, "aux_bytes": 32}
     validate(msg)
     for bad in ([1, "2"], [1, True], "12", [-4]):
         with pytest.raises(FrameError, match="mla_ptrs"):
@@ -57,7 +58,7 @@ def test_oversized_refused_before_reading():
 def test_server_rejects_and_survives():
     from cpgraph.transfer.control import ControlServer, request
 
-    srv = ControlServer(lambda m: {"type": "STATUS", "room": m["room"], "rank": 0, "status": 2, "bytes_sent": 0},
+    srv = ControlServer(lambda m, peer: {"type": "STATUS", "room": m["room"], "rank": 0, "status": 2, "bytes_sent": 0},
                         timeout=2.0)
     try:
         host, port = srv.address.rsplit(":", 1)

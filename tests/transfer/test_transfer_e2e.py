@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("mooncake.engine")
+from cpgraph.transfer.engine import mooncake_available
+
+if not mooncake_available():
+    pytest.skip("the Mooncake transfer engine is not installed", allow_module_level=True)
 
 from cpgraph.models import from_pretrained  # noqa: E402
 from cpgraph.models.batch import build_batch  # noqa: E402
@@ -184,7 +187,7 @@ def test_dead_and_unregistered_peers_fail_not_crash(model):
         ch = peer.begin_chunk(6, table, 0, 3, last=True, overlap=True)
         assert peer.end_chunk(ch, first_token=1) == RoomStatus.FAILED
         # decode polling a dead control address: Failed within the timeout
-        dec.rooms[9] = {"table": [], "peers": [dead], "len": 1}
+        dec.rooms[9] = {"table": [], "peers": [dead], "len": 1, "secret": "0" * 32}
         t0 = time.monotonic()
         assert dec.wait(9, 2) == RoomStatus.FAILED and time.monotonic() - t0 < 5
         # prefill whose decode never registers: Failed after the register timeout, no hang
