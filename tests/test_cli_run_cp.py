@@ -1,34 +1,106 @@
-"""``cpgraph run --cp 2``: spawns gloo ranks, writes the same JSON as a single-device run."""
+"""``cpgraph run --cp 2``: spawns gloo ranks, writes the same JSON as a single-device run, reports progress."""
 
 from __future__ import annotations
 
 import json
+import queue
 
 import pytest
 import torch
 
 from cpgraph.cli import main
 from cpgraph.models import prefill_logits, tiny_model
+from cpgraph.runtime import cp_run
+from cpgraph.runtime.inputs import InputError
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     out = tmp_path / "cp.json"
     rc = main(["run", "--model", "tiny-glm5", "--prefix-lens", "64,0,0,16", "--cp", "2", "--backend", "aot_eager",
-               "--quiet", "--json", str(out)])
+               "--json", str(out)])
     assert rc == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "bit-identical" in text and "every rank holds the same logits: True" in text
     assert "rank 1: KV" in text and "of a replicated cache" in text
+    assert "283 tokens computed" in text
+    # progress: each rank's compile, then rank 0's timed passes, in order
+    err = captured.err
+    assert "rank 1: compiling (aot_eager)" in err and "rank 1: compiled and ran in" in err
+    assert err.index("rank 0: compiled and ran") < err.index("rank 0: timed run: extend pass") < err.index(
+        "rank 0: single-device eager reference")
     data = json.loads(out.read_text())
     assert {"logits", "tokens", "top_ids", "kv_format", "prefix_lens"} <= data.keys()  # same keys as one device
     ref = prefill_logits(tiny_model("tiny-glm5"), data["tokens"], prefix_lens=data["prefix_lens"])
     assert torch.equal(torch.tensor(data["logits"]), ref)
     assert sum(data["kv_bytes_per_rank"]) == data["replicated_kv_bytes"]
+    assert data["computed_tokens"] == 283 and data["cached_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_checkpoint_error_in_the_ranks_is_one_line(tmp_path, capsys):
+    """The parent reads only config.json; a weight mismatch found by the ranks still ends as one line, exit 2."""
+    from safetensors.torch import save_file
+
+    from cpgraph.models.config import bundled_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(bundled_config_dict("tiny-glm5")))
+    save_file({"not.a.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    assert main(["run", "--model", str(tmp_path), "--cp", "2", "--backend", "aot_eager", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpgraph run: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert "not.a.weight" in err
 
 
 def test_run_cp_rejects_bad_flags(capsys):
     assert main(["run", "--model", "tiny-glm5", "--device", "cuda"]) == 2
     assert "apply to CP runs" in capsys.readouterr().err
     assert main(["run", "--model", "tiny-glm5", "--cp", "0"]) == 2
+
+
+class _Script:
+    """A result queue that replays scripted messages; ``None`` stands for a poll that times out."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def get(self, timeout=None):
+        item = self.items.pop(0) if self.items else None
+        if item is None:
+            raise queue.Empty
+        return item
+
+
+class _Proc:
+    def __init__(self, exitcode=None):
+        self.exitcode = exitcode
+
+
+def test_collect_forwards_phases_and_heartbeats():
+    lines = []
+    script = _Script([("phase", 0, "loading m"), None, ("phase", 1, "compiling"), None, ("ok", 0, "payload")])
+    kind, rank, body = cp_run._collect([_Proc(), _Proc()], script, 60.0, lines.append, heartbeat=0.0)
+    assert (kind, body) == ("ok", "payload")
+    assert [ln.split(" s  ", 1)[1] for ln in lines] == [
+        "rank 0: loading m", "waiting: rank 0 loading m, rank 1 starting",
+        "rank 1: compiling", "waiting: rank 0 loading m, rank 1 compiling"]
+
+
+def test_collect_without_heartbeat_prints_phases_only():
+    lines = []
+    script = _Script([None, ("phase", 0, "loading m"), None, None, ("ok", 0, "payload")])
+    cp_run._collect([_Proc()], script, 60.0, lines.append, heartbeat=None)
+    assert len(lines) == 1 and lines[0].endswith("rank 0: loading m")
+
+
+def test_collect_notices_a_rank_that_died_silently():
+    kind, rank, body = cp_run._collect([_Proc(), _Proc(exitcode=-9)], _Script([]), 60.0, None, None)
+    assert (kind, rank) == ("error", 1) and "exited with status -9" in body["message"]
+
+
+def test_rank_errors_while_reading_input_are_input_errors():
+    err = cp_run._failure(0, dict(type="ValueError", message="bad\nweights", user=True, traceback="tb"))
+    assert isinstance(err, InputError) and str(err) == "bad weights"
+    err = cp_run._failure(1, dict(type="ValueError", message="bug", user=False, traceback="Traceback ..."))
+    assert type(err) is RuntimeError and "rank 1: ValueError: bug" in str(err) and "Traceback" in str(err)

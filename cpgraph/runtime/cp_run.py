@@ -80,7 +80,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
         if rank == 0 or every_rank:
             queue.put(("phase", rank, msg))
 
-    reading_input = True
+    reading_input = False  # True while the rank reads what the user named (checkpoint, KV format)
     try:
         if spec.log_level is not None:  # a spawned process starts with logging unconfigured
             import logging
@@ -95,6 +95,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
         cuda = spec.device == "cuda"
         if cuda:
             torch.cuda.set_device(rank)
+        report(f"started; joining the {'NCCL' if cuda else 'gloo'} group", every_rank=True)
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=spec.cp)
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.cp))
         from cpgraph.models import from_pretrained
@@ -105,6 +106,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[spec.dtype]
         t0 = time.perf_counter()
         report(f"loading {spec.model}")
+        reading_input = True
         model = from_pretrained(spec.model, dtype=dtype)
         layout = make_layout(model, spec.kv_format, spec.page_size)
         reading_input = False
@@ -271,6 +273,13 @@ def _collect(procs, queue, timeout: float, progress, heartbeat: float | None):
             last_line = time.monotonic()
 
 
+def _failure(rank: int, body: dict) -> Exception:
+    """The exception for a rank's error report: InputError while it read its input, else RuntimeError."""
+    if body["user"]:
+        return InputError(one_line(body["message"]) or body["type"])
+    return RuntimeError(f"CP run failed: rank {rank}: {body['type']}: {body['message']}\n{body['traceback']}")
+
+
 def run_cp(spec: CPRunSpec, timeout: float = 900.0, progress: Callable[[str], None] | None = None,
            heartbeat: float | None = None) -> CPRunResult:
     """Spawn ``spec.cp`` ranks, run the CP prefill, return rank 0's comparison.
@@ -299,9 +308,7 @@ def run_cp(spec: CPRunSpec, timeout: float = 900.0, progress: Callable[[str], No
             if p.is_alive():
                 p.kill()
     if kind != "ok":
-        if body["user"]:
-            raise InputError(one_line(body["message"]) or body["type"])
-        raise RuntimeError(f"CP run failed: rank {rank}: {body['type']}: {body['message']}\n{body['traceback']}")
+        raise _failure(rank, body)
     payload = body
     payload.logits = torch.from_numpy(payload.logits)
     if payload.cache is not None:
