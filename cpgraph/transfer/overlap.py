@@ -217,21 +217,28 @@ class _LayerHookHandle:
     forward (correct, no overlap) -- logged once.
     """
 
-    def __init__(self, manager: "LayerTransferManager", pools):
+    def __init__(self, manager: "LayerTransferManager", pools, on_fallback: Callable[[str], None] | None = None):
         from cpgraph.ops.layer_events import layer_hooks
 
         self._manager = manager
         self._pools = pools
+        self._on_fallback = on_fallback
         self._warned = False
+        self.fallback_layers = 0  # hook calls that saw a functional copy (left to finish)
         self._installed = layer_hooks(on_written=self._on_written)
         self._installed.__enter__()
 
     def _on_written(self, layer: int, pool) -> None:
         if self._pools is not None and pool.data_ptr() != self._pools[layer].data_ptr():
+            self.fallback_layers += 1
             if not self._warned:
                 self._warned = True
-                log.warning("cpgraph transfer: the forward writes KV through a functional copy (a graph run without "
-                            "reinplacing, e.g. aot_eager); layers are sent after the forward, without overlap")
+                msg = ("the forward writes KV through a functional copy (a graph run without reinplacing, e.g. "
+                       "aot_eager); layers are sent after the forward, without overlap")
+                if self._on_fallback is not None:
+                    self._on_fallback(msg)
+                else:
+                    log.warning("cpgraph transfer: %s", msg)
             return
         self._manager.on_layer_end(layer)
 
@@ -241,15 +248,19 @@ class _LayerHookHandle:
             self._installed = None
 
 
-def attach_layer_hooks(model, manager: LayerTransferManager, pool=None) -> list:
+def attach_layer_hooks(model, manager: LayerTransferManager, pool=None,
+                       on_fallback: Callable[[str], None] | None = None) -> list:
     """Call ``manager.on_layer_end(L)`` when layer ``L`` of ``model`` has written its KV; returns the handles.
 
     Works for eager and Inductor-compiled forwards (see the module docstring).
     ``pool``: the runtime's :class:`~cpgraph.runtime.kv_pool.KVPool` whose
     buffers are being sent, to detect a forward that writes through
-    functional copies (such layers are left to ``finish``).
+    functional copies (such layers are left to ``finish``).  That fallback is
+    logged once per handle at WARNING, or handed to ``on_fallback(message)``
+    instead when the caller reports it itself (``cpgraph pd`` reports it once
+    for all its ranks).
     """
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise ValueError("attach_layer_hooks needs a cpgraph DSA model (model.model.layers)")
     buffers = None if pool is None else [pool.mla_pool(i) for i in range(len(model.model.layers))]
-    return [_LayerHookHandle(manager, buffers)]
+    return [_LayerHookHandle(manager, buffers, on_fallback)]

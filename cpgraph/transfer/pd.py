@@ -10,13 +10,21 @@ next-token logits for ``prompt + [first_token]``.
 Overlap share: each rank prefills twice with transfer, once sending after
 the forward and once per layer; the share hidden is ``1 - tail_overlap /
 tail_sequential`` where a tail is the time from the end of the forward to
-the end of the last send.  Per-layer hooks fire per layer only in eager
-mode (N == 1); compiled CP ranks fire them at graph end, so for N > 1 the
-share is expected near 0 (see docs/transfer.md).
+the end of the last send.  It is reported only as far as it was measured
+as overlap: the ranks count the layers their hooks sent while the forward
+ran.  A forward that writes KV through functional copies (``aot_eager``
+CP ranks) sends every layer after the forward; then the share is 0 by
+construction -- the two tails differ only by noise -- and one note says so
+(see docs/transfer.md).
+
+Logging: the ranks and decode are spawned processes; they get the parent's
+``cpgraph`` log level (``PDSpec.log_level``, default the logger's effective
+level), and Mooncake's own log follows it (``engine.set_log_level``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -39,6 +47,7 @@ class PDSpec:
     backend: str = "inductor"
     group: int = 1
     timeout: float = 120.0
+    log_level: int | None = None  # cpgraph log level in the spawned processes (None: the parent's effective level)
 
 
 @dataclass
@@ -54,10 +63,53 @@ class PDResult:
     tail_overlap: float
     statuses: list[int]
     notes: list[str] = field(default_factory=list)
+    layers_per_layer: int = 0  # layer sends the hooks enqueued while the forward ran (all ranks, all chunks)
+    layers_after_forward: int = 0  # layer sends left to after the forward in the per-layer run
 
     @property
     def gbps(self) -> float:
         return self.bytes_sent / max(self.transfer_seconds, 1e-9) / 1e9
+
+    @property
+    def overlap_measured(self) -> bool:
+        """True when some layer was sent while the forward ran (else ``hidden_share`` is 0 by construction)."""
+        return self.layers_per_layer > 0
+
+    def transfer_line(self) -> str:
+        """One line for the CLI: bytes, rate and the overlap, stated only as far as it was measured."""
+        head = f"transfer: {self.bytes_sent} bytes sent in {self.transfer_seconds * 1e3:.2f} ms = {self.gbps:.3f} GB/s; "
+        if not self.overlap_measured:
+            return head + "no overlap: every layer was sent after the forward (0% hidden)"
+        share = f"hidden behind the forward: {100 * self.hidden_share:.1f}%"
+        mixed = "" if not self.layers_after_forward else \
+            f", {self.layers_after_forward} of {self.layers_per_layer + self.layers_after_forward} layer sends after it"
+        return head + (f"{share} (tail {self.tail_sequential * 1e3:.2f} ms sequential -> "
+                       f"{self.tail_overlap * 1e3:.2f} ms per-layer{mixed})")
+
+
+FALLBACK_NOTE = ("the CP forward writes KV through functional copies (a graph without reinplacing, e.g. --backend "
+                 "aot_eager): every layer was sent after the forward, so nothing was hidden; --backend inductor "
+                 "sends per layer")
+
+
+def hidden_share(tail_sequential: float, tail_overlap: float, layers_per_layer: int) -> float:
+    """Share of the sequential transfer tail that the per-layer run hid; 0 when no layer went per layer."""
+    if layers_per_layer <= 0:
+        return 0.0
+    return float(min(1.0, max(0.0, 1.0 - tail_overlap / max(tail_sequential, 1e-9))))
+
+
+def _child_logging(level: int) -> None:
+    """A spawned process logs at the parent's level (and Mooncake follows it)."""
+    from .engine import set_log_level
+
+    logger = logging.getLogger("cpgraph")
+    logger.setLevel(level)
+    if level < logging.WARNING and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+    set_log_level(level)
 
 
 def _free_port() -> int:
@@ -84,6 +136,7 @@ def hf_reference(name: str, model):
 
 def _prefill_rank(rank: int, spec: PDSpec, port: int, addr_q, out_q, rooms_pass) -> None:
     try:
+        _child_logging(spec.log_level)
         import torch.distributed as dist
 
         from cpgraph.models import from_pretrained
@@ -116,9 +169,9 @@ def _prefill_rank(rank: int, spec: PDSpec, port: int, addr_q, out_q, rooms_pass)
         peers = [PrefillPeer(p, rank, group=spec.group, timeout=spec.timeout) for p in pools]
         addr_q.put((rank, [p.address for p in peers]))
         B = len(spec.prompts)
-        tails = []
+        tails, fallback = [], []
         for k, (pool, peer, overlap) in enumerate(zip(pools, peers, (False, True))):
-            hooks = attach_layer_hooks(model, peer.manager, pool) if overlap else []
+            hooks = attach_layer_hooks(model, peer.manager, pool, on_fallback=fallback.append) if overlap else []
             tail = [0.0]
 
             def timed(ids, meta, mla, index):
@@ -135,7 +188,9 @@ def _prefill_rank(rank: int, spec: PDSpec, port: int, addr_q, out_q, rooms_pass)
         ms = [peers[0].sender.metric(k) for k in range(B)]
         out_q.put(("rank", rank, dict(bytes=sum(x.bytes_sent for x in m),
                                       seconds=sum(x.seconds for x in ms), bytes_seq=sum(x.bytes_sent for x in ms),
-                                      tails=tails, statuses=res.statuses)))
+                                      tails=tails, statuses=res.statuses, fallback=bool(fallback),
+                                      per_layer=peers[1].layers_per_layer,
+                                      after_forward=peers[1].layers_after_forward)))
         rooms_pass.get(timeout=spec.timeout)  # keep the peers alive until decode is done
         for p in peers:
             p.close()
@@ -147,6 +202,7 @@ def _prefill_rank(rank: int, spec: PDSpec, port: int, addr_q, out_q, rooms_pass)
 
 def _decode_proc(spec: PDSpec, peers_q, out_q) -> None:
     try:
+        _child_logging(spec.log_level)
         from cpgraph.models import from_pretrained
         from cpgraph.models.prefill import make_layout
         from cpgraph.runtime.engine import pool_config
@@ -181,6 +237,10 @@ def _decode_proc(spec: PDSpec, peers_q, out_q) -> None:
 def run_pd(spec: PDSpec) -> PDResult:
     if spec.cp < 1:
         raise ValueError(f"--cp must be >= 1, got {spec.cp}")
+    if spec.log_level is None:
+        from dataclasses import replace
+
+        spec = replace(spec, log_level=logging.getLogger("cpgraph").getEffectiveLevel())
     ctx = mp.get_context("spawn")
     addr_q, peers_q, out_q, done_q = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     port = _free_port()
@@ -219,14 +279,20 @@ def run_pd(spec: PDSpec) -> PDResult:
     ranks = [results[r] for r in range(spec.cp)]
     tail_seq = max(r["tails"][0] for r in ranks)
     tail_ovl = max(r["tails"][1] for r in ranks)
+    per_layer = sum(r["per_layer"] for r in ranks)
+    notes = []
+    if any(r["fallback"] for r in ranks):
+        notes.append(FALLBACK_NOTE)
+        logging.getLogger("cpgraph.transfer").warning("cpgraph pd: %s", FALLBACK_NOTE)
     import numpy as np
 
     return PDResult(
         first_tokens=dec["tokens"], decode_logits=dec["logits"], hf_logits=dec["hf"],
         max_abs_diff=float(np.abs(dec["logits"] - dec["hf"]).max()),
         bytes_sent=sum(r["bytes_seq"] for r in ranks), transfer_seconds=max(r["seconds"] for r in ranks),
-        hidden_share=float(min(1.0, max(0.0, 1.0 - tail_ovl / max(tail_seq, 1e-9)))),
-        tail_sequential=tail_seq, tail_overlap=tail_ovl, statuses=dec["statuses"],
+        hidden_share=hidden_share(tail_seq, tail_ovl, per_layer),
+        tail_sequential=tail_seq, tail_overlap=tail_ovl, statuses=dec["statuses"], notes=notes,
+        layers_per_layer=per_layer, layers_after_forward=sum(r["after_forward"] for r in ranks),
     )
 
 

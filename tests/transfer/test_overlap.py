@@ -123,3 +123,44 @@ def test_duplicate_register_refused():
             m.register(s.ctx("a"))
     finally:
         m.close()
+
+
+def test_functional_copy_fallback_reported_once_through_the_callback(caplog):
+    """A graph writing KV through copies is reported once, to the caller when it asks (``cpgraph pd`` ranks)."""
+    import types
+
+    import torch
+
+    from cpgraph.transfer.overlap import attach_layer_hooks
+
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[None, None]))
+    pool = types.SimpleNamespace(mla_pool=lambda i: buffers[i])
+    m = LayerTransferManager(hooked_layers=2, workers=1, timeout=5)
+    notes = []
+    handles = attach_layer_hooks(model, m, pool, on_fallback=notes.append)
+    try:
+        for _ in range(3):
+            for layer in range(2):
+                handles[0]._on_written(layer, torch.zeros(4))  # a functional copy, not the registered buffer
+        assert len(notes) == 1 and "after the forward" in notes[0]
+        assert handles[0].fallback_layers == 6
+        assert not [r for r in caplog.records if "functional copy" in r.getMessage()]
+    finally:
+        for h in handles:
+            h.remove()
+        m.close()
+
+
+def test_pd_reports_overlap_only_where_a_layer_went_per_layer():
+    from cpgraph.transfer.pd import PDResult, hidden_share
+
+    # aot_eager: every layer after the forward; two noisy tails must not read as 27 % hidden
+    assert hidden_share(0.0040, 0.0029, layers_per_layer=0) == 0.0
+    assert hidden_share(0.0100, 0.0010, layers_per_layer=8) == pytest.approx(0.9)
+    kw = dict(first_tokens=[1], decode_logits=None, hf_logits=None, max_abs_diff=0.0, bytes_sent=1000,
+              transfer_seconds=1e-3, tail_sequential=0.004, tail_overlap=0.0029, statuses=[4])
+    none = PDResult(hidden_share=0.0, layers_per_layer=0, layers_after_forward=8, **kw)
+    assert not none.overlap_measured and "no overlap" in none.transfer_line() and "hidden behind" not in none.transfer_line()
+    some = PDResult(hidden_share=0.275, layers_per_layer=8, layers_after_forward=0, **kw)
+    assert some.overlap_measured and "hidden behind the forward: 27.5%" in some.transfer_line()

@@ -81,6 +81,8 @@ def test_cp1_transfer_and_decode(model, chunk, prefix, overlap):
         assert toks == [int(res.logits[i].argmax()) for i in range(2)]
         for r, p in enumerate(prompts):  # bytes actually sent: every page once (chunks never overlap) + aux
             assert peer.sender.metric(r).bytes_sent == -(-len(p) // PS) * pool.bytes_per_page() + AUX_BYTES
+        sends = peer.layers_per_layer + peer.layers_after_forward  # eager hooks: every layer went per layer
+        assert sends > 0 and (peer.layers_after_forward == 0 if overlap else peer.layers_per_layer == 0)
         got = decode_step(model, model.kv_layout, dec.pool, toks, [len(p) for p in prompts], tabs)
         ref = prefill_logits(model, [p + [t] for p, t in zip(prompts, toks)])
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
