@@ -48,8 +48,9 @@ def test_run_input_errors_exit_2(tmp_path, capsys):
         ["run", "--model", "tiny-glm5", "--prefix-lens", "16"],  # 4 built-in prompts
         ["run", "--model", "tiny-glm5", "--prefix-lens", "5,0,0,0"],  # not a page multiple
         ["run", "--model", "tiny-glm5", "--kv-format", "fp8"],  # needs kv_lora 512 / rope 64
+        ["run", "--model", "tiny-glm5", "--batch-size", "0"],  # was read as "all prompts"
     ]
     for argv in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert "cpgraph run: error:" in err and "Traceback" not in err
+        assert err.startswith("cpgraph run: error:") and err.count("\n") == 1 and "Traceback" not in err, err

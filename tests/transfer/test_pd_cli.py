@@ -22,4 +22,5 @@ def test_pd(tmp_path, capsys, argv):
 
 def test_pd_bad_input(capsys):
     assert main(["pd", "--cp", "0", "--quiet"]) == 2
-    assert "--cp must be >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--cp must be >= 1" in err and err.count("\n") == 1
