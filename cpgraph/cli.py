@@ -356,8 +356,10 @@ def _cmd_pd(args: argparse.Namespace) -> int:
         req = check_request(prompts, args.prefix_lens, vocab=vocab, page_size=args.page, cp=args.cp,
                             chunk_tokens=args.chunk_tokens, group=args.group)
         check_mooncake()
+    from cpgraph.transfer.engine import set_log_level
     from cpgraph.transfer.pd import PDSpec, run_pd
 
+    set_log_level(logging.getLogger("cpgraph").getEffectiveLevel())  # Mooncake's own log follows -v (ranks inherit it)
     prompts = req.prompts
     spec = PDSpec(model=args.model, prompts=prompts, prefix_lens=args.prefix_lens, chunk_tokens=args.chunk_tokens,
                   cp=args.cp, page_size=args.page, backend=args.backend, group=args.group, timeout=args.timeout)
