@@ -51,7 +51,9 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         # MoE is row-local; the compiler's MoE pass compacts valid rows around
         # it so that padding rows never reach the router (docs/contracts.md).
-        return x + self.mlp(h), topk
+        # The row windows tell the experts how many leading rows are real.
+        mlp = self.mlp(h, (meta.ks, meta.ke)) if self.is_moe else self.mlp(h)
+        return x + mlp, topk
 
 
 class DSABody(nn.Module):

@@ -7,14 +7,17 @@ eligible; the top ``num_experts_per_tok`` eligible experts are taken; their
 *uncorrected* sigmoid scores are normalised (``norm_topk_prob``) and scaled
 by ``routed_scaling_factor``.  Shared experts are added unweighted.
 
-Expert compute is **dense**: every row runs through every routed expert and
-the outputs are combined with a ``[rows, experts]`` weight matrix that is
-zero outside the row's top-k.  That keeps the forward free of
-data-dependent shapes (no token dispatch, no ``nonzero``) and strictly
-row-local, which is what the compiler needs; it costs ``E / top_k`` times
-the routed FLOPs, fine for the tiny test models and the CPU oracle but not
-for production-size checkpoints, where a static-capacity dispatch or grouped
-GEMM provider replaces :meth:`Experts.forward`.
+Routed experts run through ``cpgraph::moe_experts`` (``cpgraph/ops/moe.py``):
+the router hands over each row's top-k ``(ids, weights)`` and the device's
+provider decides how to compute them -- the dense reference on CPU (exact,
+row-local), a sort-by-expert dispatch with grouped GEMMs on CUDA (only the
+routed FLOPs).  Shared experts stay a plain SwiGLU MLP.
+
+Dummy rows (CP compute padding, static padding) never reach an expert: the
+MoE is given the batch's row windows and counts the real rows (``ke > ks``);
+by the planner's contract real rows form a prefix of the rows, and the CP
+MoE pass keeps that true after compacting (docs/contracts.md).  The count
+stays on the device, so nothing syncs.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import cpgraph.ops.moe  # noqa: F401  (registers cpgraph::moe_experts)
+
 from .config import DSAConfig
 from .layers import MLP
+
+_ops = torch.ops.cpgraph
 
 
 class Router(nn.Module):
@@ -40,8 +47,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Return the dense combine weights ``[rows, experts]`` (fp32, zero off the top-k)."""
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(topk_ids int64 [rows, k], topk_w fp32 [rows, k])``: chosen experts and their combine weights.
+
+        The scores are fp32 by the model's definition (``x`` is upcast for
+        the ``[rows, E]`` logits only; nothing downstream keeps the copy).
+        """
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
@@ -54,8 +65,7 @@ class Router(nn.Module):
         w = scores.gather(1, chosen)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        w = w * self.scaling
-        return torch.zeros_like(scores).scatter(1, chosen, w)
+        return chosen, w * self.scaling
 
 
 class Experts(nn.Module):
@@ -67,10 +77,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    def forward(self, x: Tensor, combine: Tensor) -> Tensor:
-        gate, up = torch.einsum("mh,eoh->emo", x, self.gate_up_proj).chunk(2, dim=-1)
-        y = torch.einsum("emi,ehi->emh", F.silu(gate) * up, self.down_proj)  # [E, M, H]
-        return torch.einsum("emh,me->mh", y, combine.to(y.dtype))
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, num_valid: Tensor | None = None) -> Tensor:
+        return _ops.moe_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, num_valid)
 
 
 class MoE(nn.Module):
@@ -80,5 +88,16 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.experts(x, self.gate(x)) + self.shared_experts(x)
+    def forward(self, x: Tensor, row_window: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """``x [M, hidden]``; ``row_window = (ks, ke)`` of the batch's rows, or ``None`` when every row is real.
+
+        Only the real-row *count* is taken from the windows (rows may have
+        been permuted since, but real rows always lead); it bounds the
+        experts' work on the device.
+        """
+        num_valid = None
+        if row_window is not None:
+            ks, ke = row_window
+            num_valid = (ke > ks).sum().reshape(1).to(torch.int64)
+        topk_ids, topk_w = self.gate(x)
+        return self.experts(x, topk_ids, topk_w, num_valid) + self.shared_experts(x)
