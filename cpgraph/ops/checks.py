@@ -3,7 +3,11 @@
 Eager-mode checks are cheap metadata checks (dtype, rank, shape, device) that
 raise a ``ValueError`` naming the argument.  Checks that read index *values*
 (range checks) would force a host sync, so they run only when the
-environment variable ``CPGRAPH_DEBUG=1`` is set.
+environment variable ``CPGRAPH_DEBUG`` is on (:func:`debug_enabled`, the one
+parser of that variable in the package).  Without the flag nothing is lost
+in safety: every op defines what an out-of-range index does (it behaves like
+``-1``, see ``docs/ops/paged.md``) and no kernel touches memory outside its
+tensors; the flag only turns such an index into an error.
 """
 
 from __future__ import annotations
@@ -14,8 +18,19 @@ from typing import Iterable
 import torch
 
 
+DEBUG_ENV = "CPGRAPH_DEBUG"
+_DEBUG_ON = frozenset({"1", "true", "on"})
+
+
 def debug_enabled() -> bool:
-    return os.environ.get("CPGRAPH_DEBUG", "") not in ("", "0")
+    """Whether ``CPGRAPH_DEBUG`` is on: ``1``, ``true`` or ``on`` (any case, surrounding spaces ignored).
+
+    Anything else, including unset, ``0``, ``yes`` or an empty string, is
+    off.  One closed list of "on" spellings, so a typo never turns host-
+    syncing checks on in production by accident.  Read at every call (tests
+    and operators flip it at run time).
+    """
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in _DEBUG_ON
 
 
 def _fmt_dtypes(dtypes) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -553,8 +552,11 @@ def check_consistent(tree: RadixCache, group=None, device="cpu", force: bool = F
     Runs only with ``CPGRAPH_DEBUG=1`` (or ``force``); raises ``RuntimeError``
     naming the ranks whose tree differs from rank 0's.
     """
-    if not (force or os.environ.get("CPGRAPH_DEBUG") == "1"):
-        return
+    if not force:
+        from cpgraph.ops.checks import debug_enabled
+
+        if not debug_enabled():
+            return
     import torch
     import torch.distributed as dist
 
