@@ -69,7 +69,7 @@ def _replay(plan: list, blocks: tuple, send: torch.Tensor) -> None:
     for block, start, n, grid, warps, segs, tail in plan:
         tensors = blocks[block]
         dst_rows = send[start:] if start else send
-        args: list = [None, n]
+        args: list = [None, n, 0]  # index, rows, index bound (COPY mode: no index)
         for k, word, consts in segs:
             src = byte_rows(tensors[k])
             if word is not torch.uint8:
@@ -77,8 +77,8 @@ def _replay(plan: list, blocks: tuple, send: torch.Tensor) -> None:
             else:
                 args += [src, dst_rows, *consts]
         for _ in range(segments.MAX_SEGMENTS - len(segs)):
-            args += [args[2], args[3], *segments.UNUSED_SLOT]
-        args[0] = args[2]  # COPY mode never reads the index
+            args += [args[3], args[4], *segments.UNUSED_SLOT]
+        args[0] = args[3]  # COPY mode never reads the index
         args += tail
         segments._LAUNCH(grid, args, warps)
 

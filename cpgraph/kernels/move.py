@@ -7,6 +7,13 @@ how a row number becomes an address:
 
 * gather: ``dst row r  <-  src row index[r]`` (``-1`` -> zero row);
 * scatter: ``dst row index[r]  <-  src row r`` (``-1`` -> skipped);
+* an index outside ``[0, rows of the indexed buffer)`` -- below ``-1``,
+  past the end, anything into an empty buffer -- is treated exactly like
+  ``-1``: every load and store is masked by the index's range and the
+  address of a masked row is computed from row 0, so no kernel ever
+  touches memory outside its tensors, with or without ``CPGRAPH_DEBUG``
+  (which only makes the ops raise on such ids beforehand).  The bound is
+  one runtime integer compared per row: free next to the row's bytes;
 * a row address is ``(row // PAGE) * PAGE_STRIDE + (row % PAGE) * TOK_STRIDE
   + BASE``, which covers plain rows (``PAGE == 1``) and token slices of
   fp8 index-K pages (keys and scales live in different parts of a page).
@@ -18,7 +25,8 @@ accesses.  Widths and strides are compile-time constants: the alignment
 they imply is what lets Triton vectorise (there are few distinct
 geometries per model, so few compilations).  Grid sizes come from shapes
 only and nothing reads device data on the host, so every launch is CUDA
-graph capturable.
+graph capturable.  Offsets are int64 (row ids are widened before they are
+multiplied by a stride), so ``row * stride`` past 2**31 bytes is safe.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ def _move_rows_kernel(
     dst,
     index,
     num_rows,
+    bound,
     skip_lo,
     skip_hi,
     GATHER: tl.constexpr,
@@ -77,8 +86,8 @@ def _move_rows_kernel(
     elif SKIP == 2:  # only those rows, read from a buffer that starts at skip_lo
         row_ok = row_ok & (idx >= skip_lo) & (idx < skip_hi)
         idx = idx - skip_lo
-    valid = row_ok & (idx >= 0)
-    idx = tl.maximum(idx, 0)
+    valid = row_ok & (idx >= 0) & (idx < bound)  # out of range == -1: never addressed
+    idx = tl.where(valid, idx, 0)
     if GATHER:
         src_row = idx
         dst_row = rows.to(tl.int64)
@@ -192,10 +201,11 @@ def move_rows(
     from . import segments
 
     if skip is None and dst_layout.page == 1 and dst_layout.tok_stride == 0 and segments.fits(width_bytes):
-        # Narrow rows: whole rows per program in power-of-two pieces (no masked lanes).
+        # Narrow rows: whole rows per program in power-of-two pieces (no masked lanes); it checks extents itself.
         seg = segments.Segment(src, dst, src_layout, dst_layout.page_stride, width_bytes, dst_base=dst_layout.base)
         segments.move_segments([seg], index, num_rows, segments.GATHER if gather else segments.SCATTER)
         return
+    bound = check_extents(src, dst, index, num_rows, width_bytes, src_layout, dst_layout, gather=gather)
     w = word_size(width_bytes, *src_layout.quantities(), *dst_layout.quantities(), tensors=(src, dst))
     word = _WORD_DTYPES[w]
     src_w, dst_w = src.view(word), dst.view(word)
@@ -207,13 +217,52 @@ def move_rows(
     lo, hi = skip if skip is not None else (0, 0)
     _MOVE_ROWS(
         grid,
-        [src_w, dst_w, index, num_rows, lo, hi, gather, sp, sps, sts, sb, dp, dps, dts, db, width, rows, block_w,
+        [src_w, dst_w, index, num_rows, bound, lo, hi, gather, sp, sps, sts, sb, dp, dps, dts, db, width, rows, block_w,
          0 if skip is None else (2 if keep else 1)],
         warps,
     )  # fmt: skip
 
 
 _MOVE_ROWS = Launcher(_move_rows_kernel)
+
+
+def layout_rows(t: torch.Tensor, at: Layout) -> int:
+    """Rows of ``t`` (2-D byte buffer) addressable through ``at``: ``pages * page``."""
+    return t.shape[0] * at.page
+
+
+def layout_fits(t: torch.Tensor, at: Layout, width_bytes: int) -> bool:
+    """Whether every row of ``at`` (``width_bytes`` from its address) lies inside ``t``'s rows.
+
+    Row ``r`` starts at ``(r // page) * page_stride + (r % page) * tok_stride
+    + base``; the last in-page token must end within ``t``'s row, and the
+    page stride must be ``t``'s own (or ``t`` has a single row).
+    """
+    last = at.base + (at.page - 1) * at.tok_stride + width_bytes
+    stride_ok = t.shape[0] <= 1 or at.page_stride == t.stride(0)
+    return min(at.base, at.tok_stride, at.page_stride) >= 0 and last <= t.shape[1] and stride_ok
+
+
+def check_extents(src, dst, index, num_rows: int, width_bytes: int, src_layout: Layout, dst_layout: Layout, *,
+                  gather: bool) -> int:  # fmt: skip
+    """Host-side shape checks of a row move; returns the index bound (rows of the indexed buffer).
+
+    Shapes only (no device read, CUDA-graph safe): the kernel masks every
+    index by the returned bound, and these checks make sure the rows it
+    addresses *by position* (``r < num_rows``) and the bytes of every row
+    exist too, so a launcher bug raises here instead of touching memory.
+    """
+    indexed, positional = (src, dst) if gather else (dst, src)
+    at_i, at_p = (src_layout, dst_layout) if gather else (dst_layout, src_layout)
+    if index is not None and index.shape[0] < num_rows:
+        raise ValueError(f"cpgraph kernels: index has {index.shape[0]} entries for {num_rows} rows")
+    if layout_rows(positional, at_p) < num_rows:
+        raise ValueError(f"cpgraph kernels: {num_rows} rows do not fit a buffer of {layout_rows(positional, at_p)}")
+    for t, at in ((src, src_layout), (dst, dst_layout)):
+        if not layout_fits(t, at, width_bytes):
+            raise ValueError(f"cpgraph kernels: {width_bytes}-byte rows at base {at.base} overrun a "
+                             f"{tuple(t.shape)} buffer (page {at.page}, strides {at.page_stride}/{at.tok_stride})")  # fmt: skip
+    return layout_rows(indexed, at_i)
 
 
 # ------------------------------------------------------------- row ops
@@ -263,12 +312,16 @@ def restore_compute(y: torch.Tensor, valid_rows: torch.Tensor, num_rows: int) ->
 
     The scatter ``out[valid_rows] = y`` is turned into a gather through the
     inverse index (``-1`` where no valid row lands), so every output row is
-    written exactly once (no zero fill pass): two tiny index launches,
-    then one row move.
+    written exactly once (no zero fill pass): three tiny index launches,
+    then one row move.  An entry of ``valid_rows`` outside ``[0,
+    num_rows)`` is redirected to a sentinel slot past the end of the
+    inverse (never read), so its ``y`` row is dropped, as in the reference.
     """
-    inverse = torch.full((num_rows,), -1, dtype=torch.int64, device=y.device)
-    inverse.index_copy_(0, valid_rows.to(torch.int64), torch.arange(y.shape[0], device=y.device))
-    return take_rows(y, inverse)
+    vr = valid_rows.to(torch.int64)
+    target = torch.where((vr >= 0) & (vr < num_rows), vr, num_rows)
+    inverse = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=y.device)
+    inverse.index_copy_(0, target, torch.arange(y.shape[0], device=y.device))
+    return take_rows(y, inverse[:num_rows])
 
 
 # --------------------------------------------------- static-shape compaction

@@ -25,7 +25,12 @@ which is how the materialisation pack fills its alignment padding.
 
 Modes: ``GATHER`` (dst row r <- src row ``index[r]``, zero row for ``-1``),
 ``SCATTER`` (dst row ``index[r]`` <- src row r, ``-1`` skipped) and ``COPY``
-(dst row r <- src row r, no index).  Grids depend on shapes only; nothing is
+(dst row r <- src row r, no index).  An index outside ``[0, bound)``
+(``bound`` = rows of the indexed buffers, the smallest over the segments)
+is treated exactly like ``-1`` and its row is addressed as row 0 under a
+false mask, so no access ever leaves the tensors; the host checks the
+positional side (rows ``r < num_rows``) and every segment's column extent
+from shapes (:func:`move_segments`).  Grids depend on shapes only; nothing is
 read back to the host, so launches are CUDA-graph capturable.
 """
 
@@ -36,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._launch import Launcher
-from .move import _WORD_DTYPES, Layout, interpreting, word_size
+from .move import _WORD_DTYPES, Layout, interpreting, layout_fits, layout_rows, word_size
 
 GATHER, SCATTER, COPY = 0, 1, 2
 MAX_SEGMENTS = 3
@@ -84,7 +89,7 @@ def _segment(
 
 @triton.jit
 def _segments_kernel(
-    index, num_rows,
+    index, num_rows, bound,
     src0, dst0, SP0: tl.constexpr, SPS0: tl.constexpr, STS0: tl.constexpr, SB0: tl.constexpr, DS0: tl.constexpr,
     DB0: tl.constexpr, LW0: tl.constexpr, SW0: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, C0: tl.constexpr,
     src1, dst1, SP1: tl.constexpr, SPS1: tl.constexpr, STS1: tl.constexpr, SB1: tl.constexpr, DS1: tl.constexpr,
@@ -103,8 +108,8 @@ def _segments_kernel(
         store_ok = row_ok
     else:
         idx = tl.load(index + rows, mask=row_ok, other=-1).to(tl.int64)
-        valid = row_ok & (idx >= 0)
-        idx = tl.maximum(idx, 0)
+        valid = row_ok & (idx >= 0) & (idx < bound)  # out of range == -1: never addressed
+        idx = tl.where(valid, idx, 0)
         load_ok = valid
         if MODE == 0:  # GATHER: -1 rows are written as zeros
             src_row = idx
@@ -178,10 +183,11 @@ class Segment:
         src, dst, at = self.src, self.dst, self.src_at
         key = (
             at.page, at.page_stride, at.tok_stride, at.base, self.dst_stride, self.dst_base,
-            self.load_bytes, self.store_bytes, _align(src), _align(dst),
+            self.load_bytes, self.store_bytes, _align(src), _align(dst), src.shape[1], dst.shape[1], src.stride(0), dst.stride(0),
         )  # fmt: skip
         geo = _GEOMETRY.get(key)
         if geo is None:
+            self.check_columns()
             w = self.word()
             sp, sps, sts, sb = at.in_words(w)
             sw = self.store_bytes // w
@@ -195,7 +201,23 @@ class Segment:
         return [src.view(word), dst.view(word), *consts], self.store_bytes
 
 
-# (geometry, alignments) -> (word bytes, word dtype, constexprs); few distinct entries per model
+    def check_columns(self) -> None:
+        """Every row's bytes lie inside both buffers' rows (shapes only; once per geometry)."""
+        dst = self.dst
+        if not layout_fits(self.src, self.src_at, self.load_bytes):
+            raise ValueError(f"cpgraph kernels: a {self.load_bytes}-byte segment at base {self.src_at.base} overruns "
+                             f"its {tuple(self.src.shape)} source (page {self.src_at.page})")  # fmt: skip
+        if not layout_fits(dst, Layout(self.dst_stride, base=self.dst_base), self.store_bytes):
+            raise ValueError(f"cpgraph kernels: a {self.store_bytes}-byte segment at column {self.dst_base} overruns "
+                             f"its {tuple(dst.shape)} destination (row stride {self.dst_stride})")  # fmt: skip
+        if self.store_bytes < self.load_bytes:
+            raise ValueError("cpgraph kernels: a segment must store at least the bytes it loads")
+
+    def src_rows(self) -> int:
+        return layout_rows(self.src, self.src_at)
+
+
+# (geometry, alignments, row widths) -> (word bytes, word dtype, constexprs); few distinct entries per model
 _GEOMETRY: dict = {}
 
 
@@ -220,6 +242,7 @@ def move_segments(segments: list[Segment], index, num_rows: int, mode: int):
         return None
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"cpgraph kernels: 1..{MAX_SEGMENTS} segments per launch, got {len(segments)}")
+    bound = check_rows(segments, index, num_rows, mode)
     flat: list = []
     row_bytes = 0
     for seg in segments:
@@ -236,8 +259,29 @@ def move_segments(segments: list[Segment], index, num_rows: int, mode: int):
         index = flat[0]  # never read in COPY mode
     grid = (triton.cdiv(num_rows, rows),)
     tail = [mode, len(segments), rows]
-    _LAUNCH(grid, [index, num_rows, *flat, *tail], warps)
+    _LAUNCH(grid, [index, num_rows, bound, *flat, *tail], warps)
     return grid, warps, tail, [seg._geo for seg in segments]
+
+
+def check_rows(segments: list[Segment], index, num_rows: int, mode: int) -> int:
+    """Host-side row checks of a launch (shapes only); returns the index bound.
+
+    Rows addressed by position (``r < num_rows``: the destination of a
+    gather, the source of a scatter, both for a copy) must exist; rows
+    addressed through ``index`` are masked in the kernel by the returned
+    bound, the fewest rows any segment's indexed buffer has.
+    """
+    if mode != COPY and (index is None or index.shape[0] < num_rows):
+        raise ValueError(f"cpgraph kernels: the index must have at least {num_rows} entries")
+    bound = 0
+    for k, seg in enumerate(segments):
+        src_rows, dst_rows = seg.src_rows(), seg.dst.shape[0]
+        positional = {GATHER: dst_rows, SCATTER: src_rows}.get(mode, min(src_rows, dst_rows))
+        if positional < num_rows:
+            raise ValueError(f"cpgraph kernels: segment {k} has {positional} rows for a launch over {num_rows}")
+        indexed = src_rows if mode == GATHER else dst_rows
+        bound = indexed if k == 0 else min(bound, indexed)
+    return bound
 
 
 _LAUNCH = Launcher(_segments_kernel)

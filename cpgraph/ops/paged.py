@@ -5,7 +5,11 @@ fp8 index-K page pool it is token ``loc % page_size`` of page
 ``loc // page_size`` (layout in :mod:`cpgraph.ops.codecs`).  Slot ``-1``
 means "no slot": CP compute padding and static padding rows carry it, so a
 store skips them (dummy rows never write KV) and a gather returns zero rows
-(shapes stay static, no boolean-mask indexing).
+(shapes stay static, no boolean-mask indexing).  Any slot outside
+``[0, S)`` (``S`` = the pool's slots: rows, or pages * page_size) is treated
+exactly like ``-1``, by the references and the kernels alike: no provider
+ever reads or writes outside the pool.  With ``CPGRAPH_DEBUG`` on, slots
+outside ``[-1, S)`` raise instead (:mod:`cpgraph.ops.rows` states the rule).
 
 The stores are the only mutating cpgraph ops.  They declare exactly what they
 write (``mutates_args``) and return nothing, so functionalisation turns them
@@ -27,23 +31,24 @@ from torch import Tensor
 from .checks import check_index_range, check_same_device, check_tensor
 from .codecs import FLOATS, check_index_pages, num_scale_blocks, quantize_blocks
 from .providers import select
+from .rows import index_in_range
 
 _INDEX = (torch.int64, torch.int32)
 
 
-def _write_plan(slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _write_plan(slots: Tensor, num_slots: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(target slot, source row, any_valid)`` for a sync-free masked scatter.
 
-    Valid rows write themselves; skipped rows repeat the first valid row's
-    write.  With no valid row at all every target is slot 0 and the caller
-    substitutes the slot's current value (``any_valid`` is a 0-d bool).
+    A row is valid iff its slot lies in ``[0, num_slots)``.  Valid rows
+    write themselves; skipped rows repeat the first valid row's write.  With
+    no valid row at all every target is slot 0 and the caller substitutes
+    the slot's current value (``any_valid`` is a 0-d bool).
     """
-    slots = slots.to(torch.int64)
-    valid = slots >= 0
+    valid, safe = index_in_range(slots, num_slots)
     first = torch.argmax(valid.to(torch.uint8))  # first valid row, or 0 if none (0-d, on device)
     rows = torch.arange(slots.shape[0], device=slots.device)
     src = torch.where(valid, rows, first)
-    return slots.index_select(0, src).clamp_min(0), src, valid.any()
+    return safe.index_select(0, src), src, valid.any()
 
 
 # ------------------------------------------------------------ paged_store
@@ -57,7 +62,7 @@ def _check_paged_store(pool: Tensor, rows: Tensor, slots: Tensor) -> None:
 def paged_store_reference(pool: Tensor, rows: Tensor, slots: Tensor) -> None:
     if slots.shape[0] == 0 or pool.shape[0] == 0:
         return
-    target, src, any_valid = _write_plan(slots)
+    target, src, any_valid = _write_plan(slots, pool.shape[0])
     values = torch.where(any_valid, rows.index_select(0, src), pool[0])
     pool.index_put_((target,), values)
 
@@ -69,7 +74,9 @@ def paged_store(pool: Tensor, rows: Tensor, slots: Tensor) -> None:
     ``pool``: ``[S, W]`` of any dtype (a dense MLA/index-K pool, or the
     ``uint8 [S, 656]`` FP8 MLA pool); ``rows``: ``[N, W]`` of the pool's dtype
     (already packed: ``mla_dense_pack`` / ``mla_fp8_pack``); ``slots``:
-    int32/int64 ``[N]`` in ``[-1, S)``.  Rows with slot ``-1`` are skipped.
+    int32/int64 ``[N]`` in ``[-1, S)``.  Rows with slot ``-1`` are skipped,
+    and so are rows whose slot lies outside ``[0, S)`` (they raise under
+    ``CPGRAPH_DEBUG``).
     """
     _check_paged_store(pool, rows, slots)
     check_index_range("paged_store", "slots", slots, -1, pool.shape[0])
@@ -92,9 +99,9 @@ def _check_paged_gather(pool: Tensor, slots: Tensor) -> None:
 def paged_gather_reference(pool: Tensor, slots: Tensor) -> Tensor:
     if pool.shape[0] == 0:  # only -1 slots can be valid input here
         return pool.new_zeros((slots.shape[0], pool.shape[1]))
-    valid = (slots >= 0).unsqueeze(1)
-    picked = pool.index_select(0, slots.clamp(min=0).to(torch.int64))
-    return torch.where(valid, picked, torch.zeros((), dtype=pool.dtype, device=pool.device))
+    valid, safe = index_in_range(slots, pool.shape[0])
+    picked = pool.index_select(0, safe)
+    return torch.where(valid.unsqueeze(1), picked, torch.zeros((), dtype=pool.dtype, device=pool.device))
 
 
 @torch.library.custom_op("cpgraph::paged_gather", mutates_args=())
@@ -102,7 +109,9 @@ def paged_gather(pool: Tensor, slots: Tensor) -> Tensor:
     """``out[i] = pool[slots[i]]``, a zero row where ``slots[i] == -1``.
 
     Returns a new ``[N, W]`` tensor of the pool's dtype (for the FP8 MLA pool
-    the zero record decodes to zeros, since its scales are 0).
+    the zero record decodes to zeros, since its scales are 0).  A slot
+    outside ``[0, S)`` gives a zero row like ``-1`` (raises under
+    ``CPGRAPH_DEBUG``).
     """
     _check_paged_gather(pool, slots)
     check_index_range("paged_gather", "slots", slots, -1, pool.shape[0])
@@ -142,7 +151,7 @@ def index_k_store_reference(pages: Tensor, keys: Tensor, slots: Tensor, page_siz
         return
     key_view, scale_view = _page_views(pages, page_size, keys.shape[1])
     q, scales = quantize_blocks(keys)
-    target, src, any_valid = _write_plan(slots)
+    target, src, any_valid = _write_plan(slots, pages.shape[0] * page_size)
     page, offset = target // page_size, target % page_size
     q_rows = torch.where(any_valid, q.index_select(0, src), key_view[0, 0])
     s_rows = torch.where(any_valid, scales.view(torch.uint8).index_select(0, src), scale_view[0, 0])
@@ -158,7 +167,8 @@ def index_k_store(pages: Tensor, keys: Tensor, slots: Tensor, page_size: int) ->
     :mod:`cpgraph.ops.codecs`); slot ``loc`` is token ``loc % page_size`` of
     page ``loc // page_size``.  Quantisation is per token, so storing a
     token here gives the same bytes as ``index_k_page_pack`` of its page.
-    Rows with slot ``-1`` are skipped.
+    Rows with slot ``-1`` are skipped, and so are rows whose slot lies
+    outside ``[0, P * page_size)`` (they raise under ``CPGRAPH_DEBUG``).
     """
     _check_index_k_store(pages, keys, slots, page_size)
     _check_pages_strides("index_k_store", pages)
@@ -184,9 +194,8 @@ def index_k_gather_reference(pages: Tensor, slots: Tensor, page_size: int, head_
     if pages.shape[0] == 0:
         return pages.new_zeros((n, head_dim)), pages.new_zeros((n, nb), dtype=torch.float32)
     key_view, scale_view = _page_views(pages, page_size, head_dim)
-    loc = slots.to(torch.int64)
-    valid = (loc >= 0).unsqueeze(1)
-    loc = loc.clamp_min(0)
+    valid, loc = index_in_range(slots, pages.shape[0] * page_size)
+    valid = valid.unsqueeze(1)
     page, offset = loc // page_size, loc % page_size
     zero = torch.zeros((), dtype=torch.uint8, device=pages.device)
     key_bytes = torch.where(valid, key_view[page, offset], zero)
@@ -198,8 +207,9 @@ def index_k_gather_reference(pages: Tensor, slots: Tensor, page_size: int, head_
 def index_k_gather(pages: Tensor, slots: Tensor, page_size: int, head_dim: int) -> tuple[Tensor, Tensor]:
     """Read index keys at ``slots``: ``(e4m3 bytes uint8 [N, D], scales f32 [N, nb])``.
 
-    Zero bytes and zero scale where ``slots[i] == -1`` (a zero scale makes
-    the key decode to exact zeros).  The bytes and scales are what
+    Zero bytes and zero scale where ``slots[i] == -1`` or lies outside
+    ``[0, P * page_size)`` (a zero scale makes the key decode to exact
+    zeros; out-of-range slots raise under ``CPGRAPH_DEBUG``).  The bytes and scales are what
     ``indexer_logits_fp8`` takes (with ``nb == 1``, squeeze the scales).
     """
     _check_index_k_gather(pages, slots, page_size, head_dim)

@@ -5,6 +5,15 @@ graph by name (to fuse, to reorder, to check that dummy rows never reach the
 router), and Triton providers replace them on GPU.  All shapes follow from
 input shapes; ``-1`` indices produce zero rows instead of a data-dependent
 shape.  Padding provenance is described in ``docs/contracts.md``.
+
+Index rule shared by every row and paged op (references and kernels alike):
+an index entry names a row iff ``0 <= i < n``; every other value (``-1``,
+any other negative, ``>= n``, anything into an empty tensor) means "no
+row", exactly like ``-1``.  Why not an error: checking values needs a host
+sync, and an out-of-range id must never become an out-of-bounds memory
+access, so without ``CPGRAPH_DEBUG`` the op has to do *something* defined
+and identical on every provider; with the flag the op bodies raise instead.
+See ``docs/ops/paged.md``.
 """
 
 from __future__ import annotations
@@ -27,11 +36,23 @@ def _check_take_rows(x: Tensor, index: Tensor) -> None:
     check_same_device("take_rows", x=x, index=index)
 
 
+def index_in_range(index: Tensor, n) -> tuple[Tensor, Tensor]:
+    """``(valid, safe)`` for an index into ``n`` rows: ``valid = 0 <= index < n``, ``safe`` = index or 0.
+
+    The one place the references apply the index rule (module docstring):
+    ``safe`` is always a legal row when ``n > 0``, so the torch kernels that
+    follow never see an out-of-range id either.
+    """
+    idx = index.to(torch.int64)
+    valid = (idx >= 0) & (idx < n)
+    return valid, torch.where(valid, idx, torch.zeros((), dtype=torch.int64, device=idx.device))
+
+
 def take_rows_reference(x: Tensor, index: Tensor) -> Tensor:
-    if x.shape[0] == 0:  # nothing to read: every index is -1 by contract
+    if x.shape[0] == 0:  # nothing to read: every index means "no row"
         return x.new_zeros((index.shape[0], *x.shape[1:]))
-    valid = index >= 0
-    rows = x.index_select(0, index.clamp(min=0).to(torch.int64))
+    valid, safe = index_in_range(index, x.shape[0])
+    rows = x.index_select(0, safe)
     mask = valid.view(-1, *([1] * (x.dim() - 1)))
     return torch.where(mask, rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
@@ -41,7 +62,9 @@ def take_rows(x: Tensor, index: Tensor) -> Tensor:
     """``out[k] = x[index[k]]``, or zeros where ``index[k] == -1``.
 
     ``x``: ``[N, ...]`` any dtype; ``index``: int32/int64 ``[K]`` with values in
-    ``[-1, N)``.  Returns ``[K, ...]``, a new tensor.
+    ``[-1, N)``.  Returns ``[K, ...]``, a new tensor.  An entry outside
+    ``[0, N)`` (below ``-1`` or ``>= N`` included) gives a zero row like
+    ``-1``; with ``CPGRAPH_DEBUG`` on, anything outside ``[-1, N)`` raises.
     """
     _check_take_rows(x, index)
     check_index_range("take_rows", "index", index, -1, x.shape[0])
@@ -56,7 +79,7 @@ def _take_rows_fake(x, index):
 
 # ------------------------------------------------- compact_valid / restore_compute
 def compact_valid_reference(x: Tensor, valid_rows: Tensor) -> Tensor:
-    return x.index_select(0, valid_rows.to(torch.int64))
+    return take_rows_reference(x, valid_rows)
 
 
 @torch.library.custom_op("cpgraph::compact_valid", mutates_args=())
@@ -65,7 +88,10 @@ def compact_valid(x: Tensor, valid_rows: Tensor) -> Tensor:
 
     Placed before the MoE router so that CP compute padding and static
     padding rows never take part in routing.  ``valid_rows`` comes from the
-    plan (its length is known when the batch is planned, never from data).
+    plan (its length is known when the batch is planned, never from data)
+    and should lie in ``[0, N)``.  An entry outside it (``-1`` included)
+    gives a zero row, as in ``take_rows``; with ``CPGRAPH_DEBUG`` on it
+    raises (a valid-row list never names "no row").
     """
     _check_take_rows(x, valid_rows)
     check_index_range("compact_valid", "valid_rows", valid_rows, 0, x.shape[0])
@@ -79,9 +105,12 @@ def _compact_valid_fake(x, valid_rows):
 
 
 def restore_compute_reference(y: Tensor, valid_rows: Tensor, num_rows: int) -> Tensor:
-    out = y.new_zeros((num_rows, *y.shape[1:]))
-    out.index_copy_(0, valid_rows.to(torch.int64), y)
-    return out
+    # Rows whose target is out of range land in one extra sentinel row, dropped at the end.
+    valid, safe = index_in_range(valid_rows, num_rows)
+    target = torch.where(valid, safe, torch.full((), num_rows, dtype=torch.int64, device=safe.device))
+    out = y.new_zeros((num_rows + 1, *y.shape[1:]))
+    out.index_copy_(0, target, y)
+    return out[:num_rows].clone()
 
 
 def _check_restore(y: Tensor, valid_rows: Tensor, num_rows) -> None:
@@ -97,7 +126,9 @@ def restore_compute(y: Tensor, valid_rows: Tensor, num_rows: int) -> Tensor:
     """Inverse of ``compact_valid``: ``out[valid_rows] = y``, every other row exact zero.
 
     Returns ``[num_rows, ...]`` in the compute layout, so collectives after
-    the MoE keep their uniform per-rank shapes.
+    the MoE keep their uniform per-rank shapes.  A ``y`` row whose
+    ``valid_rows`` entry lies outside ``[0, num_rows)`` is dropped (the index
+    rule of this module); with ``CPGRAPH_DEBUG`` on it raises.
     """
     _check_restore(y, valid_rows, num_rows)
     check_index_range("restore_compute", "valid_rows", valid_rows, 0, num_rows)

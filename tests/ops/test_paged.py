@@ -26,19 +26,46 @@ def _slots(n: int, num_slots: int, seed: int, holes: float = 0.3) -> torch.Tenso
 
 
 def _loop_store(pool: np.ndarray, rows: np.ndarray, slots) -> np.ndarray:
+    """A slot outside ``[0, S)`` (-1 or any other) is skipped."""
     out = pool.copy()
     for i, s in enumerate(slots):
-        if s != -1:
+        if 0 <= s < pool.shape[0]:
             out[s] = rows[i]
     return out
 
 
 def _loop_gather(pool: np.ndarray, slots) -> np.ndarray:
+    """A slot outside ``[0, S)`` (-1 or any other) gives a zero row."""
     out = np.zeros((len(slots), pool.shape[1]), dtype=pool.dtype)
     for i, s in enumerate(slots):
-        if s != -1:
+        if 0 <= s < pool.shape[0]:
             out[i] = pool[s]
     return out
+
+
+# Slots the index rule treats like -1 for a pool of 6 slots.
+OUT_OF_RANGE = [-2, -9, 6, 7, 1000, 2**31 - 1, -(2**31), 2**40, -(2**40)]
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_out_of_range_slots_are_skipped_and_read_as_zero(monkeypatch, idx_dtype):
+    """Store/gather on a pool that is a window of a larger buffer: bytes outside the window never change."""
+    monkeypatch.delenv("CPGRAPH_DEBUG", raising=False)
+    backing = torch.randn(10, 3)
+    pool = backing[2:8]  # 6 slots; rows 0-1 and 8-9 of the backing buffer are neighbours
+    before = backing.clone()
+    bad = [s for s in OUT_OF_RANGE if idx_dtype == torch.int64 or -(2**31) <= s < 2**31]
+    slots = torch.tensor([*bad, 1, -1, 4], dtype=idx_dtype)
+    rows = torch.randn(slots.shape[0], 3)
+    want = _loop_store(pool.numpy(), rows.numpy(), slots.tolist())
+    ops.paged_store(pool, rows, slots)
+    np.testing.assert_array_equal(pool.numpy(), want)
+    assert torch.equal(backing[:2], before[:2]) and torch.equal(backing[8:], before[8:])
+    np.testing.assert_array_equal(ops.paged_gather(pool, slots).numpy(), _loop_gather(pool.numpy(), slots.tolist()))
+    # an empty pool: every slot is "no slot"
+    empty = torch.zeros(0, 3)
+    ops.paged_store(empty, rows, slots)
+    assert torch.equal(ops.paged_gather(empty, slots), torch.zeros(slots.shape[0], 3))
 
 
 def _pools():
@@ -123,7 +150,7 @@ def _loop_index_store(pages: np.ndarray, key_bytes, scales, slots, page_size, d)
     out = pages.copy()
     nb = math.ceil(d / 128)
     for i, s in enumerate(slots):
-        if s == -1:
+        if not 0 <= s < pages.shape[0] * page_size:
             continue
         p, o = divmod(s, page_size)
         out[p, o * d : (o + 1) * d] = key_bytes[i]
@@ -137,7 +164,7 @@ def _loop_index_gather(pages: np.ndarray, slots, page_size, d):
     kb = np.zeros((len(slots), d), dtype=np.uint8)
     sc = np.zeros((len(slots), nb), dtype=np.float32)
     for i, s in enumerate(slots):
-        if s == -1:
+        if not 0 <= s < pages.shape[0] * page_size:
             continue
         p, o = divmod(s, page_size)
         kb[i] = pages[p, o * d : (o + 1) * d]
@@ -164,6 +191,28 @@ def test_index_k_store_gather_vs_loops(page_size, d):
     want_b, want_s = _loop_index_gather(pages.numpy(), read.tolist(), page_size, d)
     np.testing.assert_array_equal(got_b.numpy(), want_b)
     np.testing.assert_array_equal(got_s.numpy(), want_s)
+
+
+def test_index_k_out_of_range_slots(monkeypatch):
+    """Slots outside ``[0, P * page_size)`` are skipped by the store and read as zeros by the gather."""
+    monkeypatch.delenv("CPGRAPH_DEBUG", raising=False)
+    page_size, d = 4, 32
+    backing = torch.randint(0, 255, (5, page_size * (d + 4)), dtype=torch.uint8)
+    pages = backing[1:4]  # 3 pages = 12 slots; pages 0 and 4 of the backing buffer are neighbours
+    before = backing.clone()
+    slots = torch.tensor([12, -2, 3, 2**40, -(2**40), 11, 13, -1])
+    keys = torch.randn(slots.shape[0], d)
+    key_bytes, scales = ops.index_k_quant(keys)
+    want = _loop_index_store(pages.numpy(), key_bytes.numpy(), scales.numpy(), slots.tolist(), page_size, d)
+    ops.index_k_store(pages, keys, slots, page_size)
+    np.testing.assert_array_equal(pages.numpy(), want)
+    assert torch.equal(backing[0], before[0]) and torch.equal(backing[4], before[4])
+    got_b, got_s = ops.index_k_gather(pages, slots, page_size, d)
+    want_b, want_s = _loop_index_gather(pages.numpy(), slots.tolist(), page_size, d)
+    np.testing.assert_array_equal(got_b.numpy(), want_b)
+    np.testing.assert_array_equal(got_s.numpy(), want_s)
+    got_b, got_s = ops.index_k_gather(pages[:0], slots, page_size, d)  # no page at all
+    assert not got_b.any() and not got_s.any()
 
 
 def test_index_k_store_in_order_equals_page_pack():

@@ -13,9 +13,11 @@ ops = torch.ops.cpgraph
 
 
 def brute_take(x, index):
-    flat = x.reshape(x.shape[0], -1).tolist()
-    width = len(flat[0]) if flat else 0
-    out = [flat[i] if i >= 0 else [0.0] * width for i in index.tolist()]
+    """Rows by index; an index outside ``[0, N)`` (``-1`` or any other) is a zero row."""
+    n = x.shape[0]
+    width = x[0].numel() if n else 0
+    flat = x.reshape(n, width).tolist()
+    out = [flat[i] if 0 <= i < n else [0.0] * width for i in index.tolist()]
     return torch.tensor(out, dtype=x.dtype).reshape(len(out), *x.shape[1:])
 
 
@@ -121,13 +123,42 @@ def test_bad_input_names_the_argument(call, message):
 
 def test_debug_flag_checks_index_range(monkeypatch):
     x = torch.randn(3, 2)
-    bad = torch.tensor([5])
+    bad = torch.tensor([5, 1, -3])
     monkeypatch.setenv("CPGRAPH_DEBUG", "1")
     with pytest.raises(ValueError, match="outside"):
         ops.take_rows(x, bad)
+    with pytest.raises(ValueError, match="'valid_rows'"):
+        ops.compact_valid(x, torch.tensor([0, -1]))
+    with pytest.raises(ValueError, match="'valid_rows'"):
+        ops.restore_compute(x, torch.tensor([0, 1, 9]), 4)
     monkeypatch.setenv("CPGRAPH_DEBUG", "0")
-    with pytest.raises(IndexError):  # without the flag, the reference's own bounds error
-        ops.take_rows(x, bad)
+    # Without the flag an out-of-range id means "no row", like -1 (no error, no foreign bytes).
+    assert torch.equal(ops.take_rows(x, bad), torch.stack([torch.zeros(2), x[1], torch.zeros(2)]))
+
+
+# Ids the index rule must treat as "no row" (N = 5 source rows below).
+OUT_OF_RANGE = [-1, -2, -7, 5, 6, 1000, 2**31 - 1, -(2**31), 2**40, -(2**40)]
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_out_of_range_ids_are_no_row(monkeypatch, idx_dtype):
+    monkeypatch.delenv("CPGRAPH_DEBUG", raising=False)
+    x = torch.randn(5, 3)
+    ids = [i for i in OUT_OF_RANGE if idx_dtype == torch.int64 or -(2**31) <= i < 2**31]
+    index = torch.tensor([0, *ids, 4, 2], dtype=idx_dtype)
+    want = brute_take(x, index.to(torch.int64))
+    assert torch.equal(ops.take_rows(x, index), want)
+    assert torch.equal(ops.compact_valid(x, index), want)
+    # into an empty tensor, every id is "no row"
+    assert torch.equal(ops.take_rows(x[:0], index), torch.zeros(index.shape[0], 3))
+    # restore_compute drops y rows whose target is out of range; the others land
+    y = torch.randn(index.shape[0], 3)
+    back = ops.restore_compute(y, index, 5)
+    expect = torch.zeros(5, 3)
+    for k, t in enumerate(index.tolist()):
+        if 0 <= t < 5:
+            expect[t] = y[k]
+    assert torch.equal(back, expect)
 
 
 def test_provider_is_selected_and_logged_once(caplog):
