@@ -10,6 +10,13 @@ kernels.
 The output buffer is addressed through several dtype views of the same
 memory (uint8 for e4m3 bytes, int16 for bf16 RoPE bits, int32 for scales)
 so every field is written with its natural width.
+
+Memory safety: the launchers check every shape the kernels hard-code (512 /
+64 / 656 / page widths) on the host, row offsets are int64, and
+``index_k_store`` masks every write by the slot range ``[0, pages *
+page_size)``, so a slot outside it is skipped like ``-1``.  Non-finite
+input follows the rule of :mod:`cpgraph.ops.codecs` (scale from finite
+values, ``+-inf`` -> ``+-448``, NaN -> ``0x7F``; RoPE NaN -> ``0x7FC0``).
 """
 
 from __future__ import annotations
@@ -47,12 +54,19 @@ def _rows_per_program(per_row_values: int, n: int) -> int:
 # -------------------------------------------------------------- quantise
 @triton.jit
 def _quantize_tile(x, ROWS: tl.constexpr, NB: tl.constexpr):
-    """``x [ROWS, NB*128]`` fp32 -> (e4m3 bytes int32 ``[ROWS, NB*128]``, exponents int32 ``[ROWS, NB]``)."""
+    """``x [ROWS, NB*128]`` fp32 -> (e4m3 bytes int32 ``[ROWS, NB*128]``, exponents int32 ``[ROWS, NB]``).
+
+    Non-finite values are classified from their bits (no reliance on how a
+    back end's max/min treat NaN): the amax skips them, ``+-inf`` clamps to
+    ``+-448`` and every NaN becomes ``0x7F``.
+    """
     xb = tl.reshape(x, (ROWS, NB, 128))
-    e = pow2_exponent(tl.max(tl.abs(xb), axis=2))
+    mag = xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    e = pow2_exponent(tl.max(tl.where(mag < 0x7F800000, tl.abs(xb), 0.0), axis=2))
     q = xb * exp2_f32(-e)[:, :, None]  # == x / 2**e exactly (power of two)
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return tl.reshape(e4m3_bits(q), (ROWS, NB * 128)), e
+    bits = tl.where(mag > 0x7F800000, 0x7F, e4m3_bits(q))
+    return tl.reshape(bits, (ROWS, NB * 128)), e
 
 
 # ----------------------------------------------------------- MLA records
@@ -72,16 +86,24 @@ def _mla_fp8_pack_kernel(
     tl.store(out32 + r[:, None] * 164 + 128 + sc[None, :], (e + 127) << 23, mask=ok[:, None])
     pc = tl.arange(0, 64)
     pe_ptrs = k_pe + r[:, None] * pe_stride + pc[None, :]
-    if PE_KIND == 1:
+    if PE_KIND == 1:  # bf16 in: copied bit for bit
         pe = tl.load(pe_ptrs, mask=ok[:, None], other=0)
-    else:
+    else:  # rounded to nearest even, every NaN -> 0x7FC0
         pe = bf16_bits(load_f32(pe_ptrs, ok[:, None], PE_KIND))
     tl.store(out16 + r[:, None] * 328 + 264 + pc[None, :], pe, mask=ok[:, None])
+
+
+def _require(ok: bool, op: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"cpgraph.{op} (triton): {what}")
 
 
 def mla_fp8_pack(latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """Provider of ``cpgraph::mla_fp8_pack``: ``uint8 [N, 656]`` in one pass."""
     n = latent.shape[0]
+    _require(latent.dim() == 2 and latent.shape[1] == 512, "mla_fp8_pack",
+             f"latent must be [N, 512], not {tuple(latent.shape)}")  # fmt: skip
+    _require(tuple(k_pe.shape) == (n, 64), "mla_fp8_pack", f"k_pe must be [{n}, 64], not {tuple(k_pe.shape)}")
     out = torch.empty((n, 656), dtype=torch.uint8, device=latent.device)
     if n == 0:
         return out
@@ -126,6 +148,8 @@ UNPACK_WARPS = 4
 def mla_fp8_unpack(records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Provider of ``cpgraph::mla_fp8_unpack``: dense ``dtype [N, 576]`` rows."""
     n = records.shape[0]
+    _require(records.dim() == 2 and records.shape[1] == 656, "mla_fp8_unpack",
+             f"records must be [N, 656], got {tuple(records.shape)}")  # fmt: skip
     out = torch.empty((n, 576), dtype=dtype, device=records.device)
     if n == 0:
         return out
@@ -144,21 +168,25 @@ def mla_fp8_unpack(records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ---------------------------------------------------------- index-K pages
 @triton.jit
 def _index_k_store_kernel(
-    keys, slots, pages, n, key_stride,
+    keys, slots, pages, n, num_slots, key_stride,
     KEY_KIND: tl.constexpr, HAS_SLOTS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
     PAGE: tl.constexpr, PAGE_STRIDE: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Quantise token rows and write them into fp8 index pages (keys, then scales, per page)."""
+    """Quantise token rows and write them into fp8 index pages (keys, then scales, per page).
+
+    A token is written iff its slot lies in ``[0, num_slots)`` (``num_slots``
+    = pages * PAGE); any other slot is skipped like ``-1`` and addressed as
+    slot 0 under a false mask.
+    """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n
     r = rows.to(tl.int64)
     if HAS_SLOTS:
         slot = tl.load(slots + rows, mask=ok, other=-1).to(tl.int64)
-        write = ok & (slot >= 0)
-        slot = tl.maximum(slot, 0)
     else:
         slot = r
-        write = ok
+    write = ok & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(write, slot, 0)
     page_base = (slot // PAGE) * PAGE_STRIDE
     offset = slot % PAGE
     cols = tl.arange(0, NBP * 128)
@@ -179,17 +207,21 @@ def _index_k_store_kernel(
 
 def _index_k_launch(pages: torch.Tensor, keys: torch.Tensor, slots, page_size: int) -> None:
     n, d = keys.shape
-    if n == 0:
+    if n == 0 or pages.shape[0] == 0:
         return
     nb = (d + 127) // 128
     nbp = triton.next_power_of_2(nb)
+    width = page_size * (d + 4 * nb)
+    _require(pages.dim() == 2 and pages.shape[1] == width and (width <= 1 or pages.stride(1) == 1), "index_k_store",
+             f"pages must be uint8 [P, {width}] with unit last stride, not {tuple(pages.shape)}")  # fmt: skip
+    _require(slots is None or tuple(slots.shape) == (n,), "index_k_store", f"slots must be [{n}]")
     k, kind = _operand(keys)
     rows = _rows_per_program(nbp * 128, n)
     page_stride = pages.stride(0) if pages.shape[0] > 1 else pages.shape[1]
     _INDEX_K_STORE(
         (triton.cdiv(n, rows),),
-        [k, slots if slots is not None else k, pages, n, _row_stride(k), kind, slots is not None, d, nb, nbp,
-         page_size, page_stride, rows],
+        [k, slots if slots is not None else k, pages, n, pages.shape[0] * page_size, _row_stride(k), kind,
+         slots is not None, d, nb, nbp, page_size, page_stride, rows],
         4,
     )  # fmt: skip
 

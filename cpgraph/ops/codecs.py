@@ -13,10 +13,22 @@ to decode instances and backed up to host memory:
   (``nb = ceil(D / 128)``): 8448 bytes for a 64-token page at D = 128.
 
 Scale rule (both layouts): ``scale = 2 ** ceil(log2(max(amax, 1e-4) / 448))``
-with ``amax`` the block's largest magnitude.  A power of two makes
+with ``amax`` the block's largest *finite* magnitude.  A power of two makes
 ``x / scale`` exact, so the only rounding is the e4m3 cast (round to nearest
-even); ``448`` is the largest finite e4m3 value, so nothing saturates.
+even); ``448`` is the largest finite e4m3 value, so no finite value saturates.
 Dequantisation is ``e4m3 * scale`` in fp32.
+
+Non-finite rule (both layouts, every provider, byte for byte): infinities
+and NaNs are ignored when the block's ``amax`` is taken, so one bad value
+does not flush the rest of its block to zero; ``+inf`` / ``-inf`` are
+stored as the largest e4m3 magnitude, ``0x7E`` / ``0xFE`` (``+-448 *
+scale``: saturation); every NaN, whatever its sign or payload, is stored as
+``0x7F`` (the positive e4m3 NaN code), so a NaN stays visible after
+decoding.  RoPE values of the MLA record are bf16: bf16 input is copied bit
+for bit; other input is rounded to nearest even with every NaN stored as
+``0x7FC0``.  Why a rule at all: the torch casts and the kernels' integer
+conversions disagree on NaN signs/payloads and on what a ``NaN``/``inf``
+amax does to the scale, and these bytes are a contract.
 
 All byte views are little-endian (``Tensor.view(torch.uint8)`` on the
 platforms torch supports).  The dense MLA record is just ``[latent | k_pe]``
@@ -35,6 +47,8 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+FP8_NAN_CODE = 0x7F  # every NaN is stored as this byte (non-finite rule)
+BF16_NAN_BITS = 0x7FC0  # every NaN RoPE value from a non-bf16 input is stored as this bf16
 SCALE_BLOCK = 128
 SCALE_EPS = 1e-4
 
@@ -93,7 +107,9 @@ def quantize_blocks(x: Tensor) -> tuple[Tensor, Tensor]:
     """Quantise ``x [N, D]`` per token per 128-block: ``(uint8 [N, D], f32 [N, nb])``.
 
     A short last block (D not a multiple of 128, e.g. D = 32) is padded with
-    zeros for the amax only; padding never reaches the output.
+    zeros for the amax only; padding never reaches the output.  Non-finite
+    values follow the module's non-finite rule (amax over finite values,
+    ``+-inf`` -> ``+-448``, NaN -> ``0x7F``).
     """
     n, d = x.shape
     nb = num_scale_blocks(d)
@@ -103,10 +119,14 @@ def quantize_blocks(x: Tensor) -> tuple[Tensor, Tensor]:
     else:
         xf_blocks = xf
     xf_blocks = xf_blocks.view(n, nb, SCALE_BLOCK)
-    scales = pow2_scale(xf_blocks.abs().amax(dim=-1))  # [N, nb]
-    q = (xf_blocks / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    finite = torch.isfinite(xf_blocks)
+    zero = torch.zeros((), dtype=torch.float32, device=xf_blocks.device)
+    amax = torch.where(finite, xf_blocks.abs(), zero).amax(dim=-1)
+    scales = pow2_scale(amax)  # [N, nb]
+    q = (xf_blocks / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)  # +-inf -> +-448
+    q = torch.where(torch.isnan(xf_blocks), torch.full((), FP8_NAN_CODE, dtype=torch.uint8, device=q.device), q)
     q = q.view(n, nb * SCALE_BLOCK)[:, :d].contiguous()
-    return q.view(torch.uint8), scales
+    return q, scales
 
 
 def dequantize_blocks(key_bytes: Tensor, scales: Tensor) -> Tensor:
@@ -125,10 +145,18 @@ def _check_mla_fp8_pack(latent: Tensor, k_pe: Tensor) -> None:
     check_same_device("mla_fp8_pack", latent=latent, k_pe=k_pe)
 
 
+def rope_bf16_bytes(k_pe: Tensor) -> Tensor:
+    """RoPE values as bf16 bytes ``uint8 [N, 2 R]``: bf16 copied as is, else RNE with NaN -> ``0x7FC0``."""
+    if k_pe.dtype == torch.bfloat16:
+        return k_pe.contiguous().view(torch.uint8)
+    bits = k_pe.to(torch.bfloat16).view(torch.int16)
+    nan = torch.full((), BF16_NAN_BITS, dtype=torch.int16, device=bits.device)
+    return torch.where(torch.isnan(k_pe), nan, bits).contiguous().view(torch.uint8)
+
+
 def mla_fp8_pack_reference(latent: Tensor, k_pe: Tensor) -> Tensor:
     q, scales = quantize_blocks(latent)
-    rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
-    return torch.cat([q, scales.view(torch.uint8), rope], dim=1)
+    return torch.cat([q, scales.view(torch.uint8), rope_bf16_bytes(k_pe)], dim=1)
 
 
 @torch.library.custom_op("cpgraph::mla_fp8_pack", mutates_args=())
@@ -139,6 +167,12 @@ def mla_fp8_pack(latent: Tensor, k_pe: Tensor) -> Tensor:
     differ).  Bytes 0-511: e4m3 latent; 512-527: 4 fp32 power-of-two tile
     scales; 528-655: ``k_pe`` rounded to bf16.  Only this geometry exists in
     production (FlashMLA's FP8 KV format); other MLA sizes use the dense record.
+
+    Non-finite input (module docstring): a tile's scale comes from its
+    finite values only; ``+-inf`` latent values are stored as ``0x7E`` /
+    ``0xFE`` (``+-448 * scale``), every NaN as ``0x7F``; a NaN ``k_pe`` value
+    from fp32/fp16 input is stored as bf16 ``0x7FC0`` (bf16 input is copied
+    bit for bit).  Every provider writes the same bytes.
     """
     _check_mla_fp8_pack(latent, k_pe)
     return select("mla_fp8_pack", latent.device.type, mla_fp8_pack_reference)(latent, k_pe)

@@ -284,17 +284,44 @@ def test_mla_fp8_pack_unpack(device, lat_dtype, pe_dtype):
         assert same_bytes(got, want)
 
 
-def test_mla_fp8_pack_keeps_nan_rope_nan(device):
-    """NaN bit patterns differ between torch back ends (CPU vector code, CUDA intrinsics), so
-    bit-exactness is a contract for finite values; a NaN must still stay a NaN."""
-    latent = _random((2, 512), torch.float32, seed=0)
-    k_pe = _random((2, 64), torch.float32, seed=1)
-    k_pe[1, 5] = float("nan")
-    rec = kcodecs.mla_fp8_pack(latent, k_pe)
-    ref = codecs.mla_fp8_pack_reference(latent, k_pe)
-    assert torch.isnan(rec[1, 528:].view(torch.bfloat16)[5])
-    rec[1, 538:540] = ref[1, 538:540] = 0
-    assert same_bytes(rec, ref)
+def _f32(bits: list[int]) -> torch.Tensor:
+    return torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32))
+
+
+def _non_finite_rows(width: int) -> torch.Tensor:
+    """Rows with +-inf / NaNs of both signs and odd payloads, alone in a tile or among finite values."""
+    x = torch.randn(5, width, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, 3], x[0, width - 1] = float("inf"), float("-inf")
+    x[1, :128] = float("inf")
+    x[2, 1:4] = _f32([0xFFC00000, 0x7F800001, 0xFFFFFFFF])  # -NaN, signalling NaN, all-ones NaN
+    x[3, :128] = float("nan")
+    x[4, 0], x[4, 1], x[4, 2] = float("nan"), float("-inf"), 1e-30
+    return x
+
+
+@pytest.mark.parametrize("lat_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mla_fp8_pack_non_finite_bytes(device, lat_dtype):
+    """The non-finite rule, byte for byte: the kernel writes exactly the reference's record."""
+    latent = _non_finite_rows(512).to(lat_dtype).to(DEV)
+    k_pe = (torch.randn(5, 64) * 7).to(DEV)
+    k_pe[0, 0], k_pe[1, 1], k_pe[2, 2] = float("nan"), float("inf"), float("-inf")
+    k_pe[3, 3:5] = _f32([0xFFC00001, 0x7FA00000]).to(DEV)  # NaNs that round to different bf16 payloads
+    for pe in (k_pe, k_pe.to(torch.float16), k_pe.to(torch.bfloat16)):
+        rec = kcodecs.mla_fp8_pack(latent, pe)
+        assert same_bytes(rec, codecs.mla_fp8_pack_reference(latent, pe))
+    assert rec[0, 3].item() == 0x7E and rec[0, 511].item() == 0xFE and rec[2, 1].item() == 0x7F
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_index_k_non_finite_bytes(device, dtype):
+    keys = _non_finite_rows(160)[:4].to(dtype).to(DEV)
+    assert same_bytes(kcodecs.index_k_page_pack(keys, 2), codecs.index_k_page_pack_reference(keys, 2))
+    pool = _random((3, 2 * (160 + 8)), torch.uint8, seed=3)
+    pool_ref = pool.clone()
+    slots = torch.tensor([5, 0, -1, 2], device=DEV)
+    kcodecs.index_k_store(pool, keys, slots, 2)
+    paged.index_k_store_reference(pool_ref, keys, slots, 2)
+    assert same_bytes(pool, pool_ref)
 
 
 def test_mla_fp8_unpack_every_code(device):
@@ -320,6 +347,131 @@ def test_mla_fp8_pack_random_scales(n, log_scale, seed):
     latent = (torch.randn(n, 512, generator=g) * 2.0**log_scale).to(DEV)
     k_pe = torch.randn(n, 64, generator=g).to(DEV)
     assert same_bytes(kcodecs.mla_fp8_pack(latent, k_pe), codecs.mla_fp8_pack_reference(latent, k_pe))
+
+
+# ------------------------------------------------------ out-of-range ids
+# Ids every kernel must treat like -1 for a source of n rows: below -1, just past the end, far away.
+def _bad_index(n_src: int, idx_dtype, extra=(0, -1, 4, 2)) -> torch.Tensor:
+    ids = [-2, -9, n_src, n_src + 1, 1000, 2**31 - 1, -(2**31), 2**40, -(2**40), 2**62]
+    if idx_dtype == torch.int32:
+        ids = [i for i in ids if -(2**31) <= i < 2**31]
+    return torch.tensor([*extra[:2], *ids, *extra[2:]], dtype=idx_dtype).to(DEV)
+
+
+def _window(rows: int, width: int, dtype, seed: int, before: int = 2, after: int = 2):
+    """``(backing, window)``: a ``rows``-row window of a larger buffer whose outer rows are the neighbours."""
+    backing = _random((before + rows + after, width), dtype, seed)
+    return backing, backing[before : before + rows]
+
+
+@pytest.mark.parametrize("width,dtype", [(12, torch.float32), (656, torch.uint8), (6000, torch.uint8)])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_gathers_treat_out_of_range_ids_as_minus_one(device, width, dtype, idx_dtype):
+    """take_rows / compact_valid / paged_gather, narrow and wide rows: zero rows, never a neighbour's bytes."""
+    _, x = _window(5, width, dtype, seed=width)
+    idx = _bad_index(5, idx_dtype)
+    want = torch.zeros((idx.shape[0], width), dtype=dtype, device=DEV)
+    want[[0, -2, -1]] = x[[0, 4, 2]]  # the in-range ids; every other row is zero
+    assert same_bytes(rows.take_rows_reference(x, idx), want)
+    assert same_bytes(move.take_rows(x, idx), want)
+    assert same_bytes(move.compact_valid(x, idx), want)
+    assert same_bytes(move.paged_gather(x, idx), want)
+    sl = _random((5, width + 7), dtype, seed=1)[:, 3 : 3 + width]  # strided rows (a byte-column slice)
+    assert same_bytes(move.take_rows(sl, idx), rows.take_rows_reference(sl, idx))
+
+
+def test_out_of_range_ids_into_empty_tensors(device):
+    """Any id into an empty tensor is "no row": zeros out, nothing written, no crash."""
+    idx = torch.tensor([0, 3, -5, 2**40], device=DEV)
+    assert same_bytes(move.take_rows(_random((0, 9), torch.float32, 0), idx), torch.zeros(4, 9, device=DEV))
+    wide = move.take_rows(_random((0, 5000), torch.uint8, 0), idx)
+    assert same_bytes(wide, torch.zeros(4, 5000, dtype=torch.uint8, device=DEV))
+    move.paged_store(torch.zeros(0, 656, dtype=torch.uint8, device=DEV), _random((4, 656), torch.uint8, 1), idx)
+    empty_pages = torch.zeros(0, 4 * 132, dtype=torch.uint8, device=DEV)
+    kb, sc = move.index_k_gather(empty_pages, idx, 4, 128)
+    assert not kb.any() and not sc.any()
+    kcodecs.index_k_store(empty_pages, _random((4, 128), torch.float32, 2), idx, 4)
+    y = _random((4, 6), torch.float32, 3)
+    assert same_bytes(move.restore_compute(y, idx, 0), torch.zeros(0, 6, device=DEV))
+
+
+@pytest.mark.parametrize("width,dtype", [(12, torch.float32), (656, torch.uint8), (6000, torch.uint8)])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_paged_store_skips_out_of_range_slots(device, width, dtype, idx_dtype):
+    """A pool that is a window of a larger buffer: rows outside the window never change."""
+    backing, pool = _window(5, width, dtype, seed=width)
+    before = backing.clone()
+    ref_backing, ref_pool = _window(5, width, dtype, seed=width)
+    slots = _bad_index(5, idx_dtype, extra=(3, -1, 0, 4))
+    new = _random((slots.shape[0], width), dtype, seed=width + 1)
+    move.paged_store(pool, new, slots)
+    paged.paged_store_reference(ref_pool, new, slots)
+    assert same_bytes(backing, ref_backing)
+    assert same_bytes(backing[:2], before[:2]) and same_bytes(backing[7:], before[7:])
+    assert same_bytes(pool[[1, 2]], before[[3, 4]])  # pool slots no valid row names keep their bytes
+    assert same_bytes(pool[[3, 0, 4]], new[[0, -2, -1]])
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_index_k_store_and_gather_out_of_range_slots(device, idx_dtype):
+    page_size, d = 4, 128
+    backing, pages = _window(3, page_size * (d + 4), torch.uint8, seed=4, before=1, after=1)  # 12 slots
+    before = backing.clone()
+    ref_backing, ref_pages = _window(3, page_size * (d + 4), torch.uint8, seed=4, before=1, after=1)
+    slots = _bad_index(12, idx_dtype, extra=(11, -1, 0, 7))
+    keys = _random((slots.shape[0], d), torch.float32, seed=5)
+    kcodecs.index_k_store(pages, keys, slots, page_size)
+    paged.index_k_store_reference(ref_pages, keys, slots, page_size)
+    assert same_bytes(backing, ref_backing)
+    assert same_bytes(backing[0], before[0]) and same_bytes(backing[4], before[4])
+    got = move.index_k_gather(pages, slots, page_size, d)
+    want = paged.index_k_gather_reference(pages, slots, page_size, d)
+    assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+    assert not got[0][2:-2].any() and not got[1][2:-2].any()
+
+
+def test_restore_compute_drops_out_of_range_targets(device):
+    y = _random((8, 10), torch.bfloat16, seed=6)
+    valid_rows = torch.tensor([4, -1, 0, 9, -(2**40), 2, 2**40, 6], device=DEV)
+    got = move.restore_compute(y, valid_rows, 7)
+    assert same_bytes(got, rows.restore_compute_reference(y, valid_rows, 7))
+    assert same_bytes(got[[4, 0, 2, 6]], y[[0, 2, 5, 7]]) and not got[[1, 3, 5]].any()
+
+
+def test_skip_ranges_mask_out_of_range_ids(device):
+    """The folded rerange's gather with ``skip``: an id past the source is a zero row, not a read."""
+    width = 40
+    src = _random((12, width), torch.uint8, seed=7)
+    index = torch.tensor([5, 12, 3, 2**40, -3, 11], device=DEV)
+    out = _random((6, width), torch.uint8, seed=8)
+    move.move_rows(move.byte_rows(src), out, index, 6, width, move.Layout(width), move.Layout(width), gather=True,
+                   skip=(4, 8))  # fmt: skip
+    assert same_bytes(out[[1, 3, 4]], torch.zeros(3, width, dtype=torch.uint8, device=DEV))
+    assert same_bytes(out[[2, 5]], src[[3, 11]])
+
+
+def test_launchers_reject_shapes_that_would_overrun(device):
+    """Host-side shape checks: positional rows and row bytes a launch would address must exist."""
+    from cpgraph.kernels import segments
+
+    src = _random((6, 16), torch.uint8, seed=9)
+    short = torch.empty(3, 16, dtype=torch.uint8, device=DEV)
+    idx = torch.zeros(6, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="rows"):
+        move.move_rows(src, short, idx, 6, 16, move.Layout(16), move.Layout(16), gather=True)
+    wide_src, wide_dst = _random((6, 5000), torch.uint8, 1), torch.empty(3, 5000, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="rows"):  # the column-block kernel's launcher
+        move.move_rows(wide_src, wide_dst, idx, 6, 5000, move.Layout(5000), move.Layout(5000), gather=True)
+    with pytest.raises(ValueError, match="overrun"):
+        move.move_rows(src, short, idx, 3, 16, move.Layout(16, base=4), move.Layout(16), gather=True)
+    with pytest.raises(ValueError, match="index"):
+        move.move_rows(src, src.clone(), idx[:2], 6, 16, move.Layout(16), move.Layout(16), gather=True)
+    seg = segments.Segment(src, short, move.Layout(16), 16, 16, dst_base=8)
+    with pytest.raises(ValueError, match="overrun"):
+        segments.move_segments([seg], idx, 3, segments.GATHER)
+    with pytest.raises(ValueError, match="pages"):
+        kcodecs.index_k_store(torch.zeros(2, 100, dtype=torch.uint8, device=DEV), _random((2, 128), torch.float32, 0),
+                              torch.zeros(2, dtype=torch.int64, device=DEV), 4)  # fmt: skip
 
 
 # ------------------------------------------------- materialisation placement

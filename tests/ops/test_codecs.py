@@ -71,19 +71,30 @@ def hand_scale(block: np.ndarray) -> float:
 
 
 def bf16_bits(x: float) -> int:
-    """bf16 bit pattern of an fp32 value (round to nearest even), via struct."""
+    """bf16 bit pattern of an fp32 value (round to nearest even), via struct; every NaN -> 0x7FC0."""
+    if math.isnan(x):
+        return 0x7FC0
     (u,) = struct.unpack("<I", struct.pack("<f", x))
     return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
 
 
 def hand_quant_row(row: np.ndarray) -> tuple[bytes, list[float]]:
-    """e4m3 bytes and per-128-block scales of one fp32 row."""
+    """e4m3 bytes and per-128-block scales of one fp32 row.
+
+    Non-finite rule: the scale comes from the finite values; +-inf are
+    stored as the largest magnitude (0x7E | sign), every NaN as 0x7F.
+    """
     out, scales = b"", []
     for b0 in range(0, len(row), 128):
-        block = row[b0 : b0 + 128].astype(np.float64)
-        s = hand_scale(block)
+        with np.errstate(invalid="ignore"):  # signalling NaNs widen quietly
+            block = row[b0 : b0 + 128].astype(np.float64)
+        finite = np.isfinite(block)
+        s = hand_scale(np.where(finite, block, 0.0))
         scales.append(s)
-        out += enc_e4m3(block / s).tobytes()
+        codes = enc_e4m3(np.where(finite, block, 0.0) / s)
+        codes = np.where(np.isinf(block), 0x7E | (np.signbit(block) << 7), codes)
+        codes = np.where(np.isnan(block), 0x7F, codes).astype(np.uint8)
+        out += codes.tobytes()
     return out, scales
 
 
@@ -125,6 +136,67 @@ def test_mla_fp8_pack_matches_hand_record(dtype):
     for i in range(4):
         want = hand_mla_record(lat_np[i], pe_np[i])
         assert rec[i].numpy().tobytes() == want, f"row {i}"
+
+
+def f32_from_bits(bits: list[int]) -> torch.Tensor:
+    return torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32))
+
+
+def _non_finite_latent() -> torch.Tensor:
+    """Rows with +-inf and NaNs (both signs, odd payloads) among finite values of every range."""
+    x = _latent(6, 7)
+    neg_nan = f32_from_bits([0xFFC00000, 0x7F800001, 0xFFFFFFFF])
+    x[0, 3] = float("inf")  # one inf in a tile: the other values keep their fine scale
+    x[0, 200] = float("-inf")
+    x[1, 0:128] = float("inf")  # a tile of infinities only: scale from the 1e-4 floor
+    x[2, 7] = float("nan")
+    x[2, 300:303] = neg_nan  # negative NaN, signalling NaN, all-ones NaN
+    x[3, 128:256] = float("nan")  # a tile of NaNs only
+    x[4, 0], x[4, 1] = float("nan"), float("inf")
+    x[5, 400] = 3e38  # finite and huge next to an inf in the same tile
+    x[5, 401] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mla_fp8_pack_non_finite_rule(dtype):
+    """+-inf -> 0x7E/0xFE, NaN -> 0x7F, tile scale from finite values; RoPE NaN -> bf16 0x7FC0."""
+    latent = _non_finite_latent()
+    if dtype == torch.float16:
+        latent[5, 400] = 6e4  # 3e38 does not exist in fp16
+    latent = latent.to(dtype)
+    k_pe = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
+    k_pe[0, 0], k_pe[0, 1], k_pe[1, 2] = float("nan"), float("inf"), float("-inf")
+    k_pe[2, 3] = f32_from_bits([0xFFC00001])[0]  # negative NaN with a payload
+    k_pe = k_pe.to(dtype if dtype != torch.bfloat16 else torch.float32)
+    rec = ops.mla_fp8_pack(latent, k_pe)
+    lat_np, pe_np = latent.float().numpy(), k_pe.float().numpy()
+    for i in range(latent.shape[0]):
+        assert rec[i].numpy().tobytes() == hand_mla_record(lat_np[i], pe_np[i]), f"row {i}"
+    dense = ops.mla_fp8_unpack(rec, torch.float32)
+    scale0 = rec[0, 512:516].view(torch.float32)[0]
+    assert dense[0, 3] == 448 * scale0 and dense[0, 200] == -448 * rec[0, 516:520].view(torch.float32)[0]
+    assert scale0 < 1  # the inf did not blow the tile's scale up: finite values keep their precision
+    assert torch.isnan(dense[2, 7]) and torch.isnan(dense[2, 300])
+
+
+def test_mla_fp8_pack_bf16_rope_is_copied_bit_for_bit():
+    """bf16 RoPE input keeps its exact bits, NaN payloads included (no rounding happens)."""
+    latent = torch.randn(2, 512)
+    k_pe = torch.randn(2, 64).to(torch.bfloat16)
+    k_pe.view(torch.int16)[1, :3] = torch.tensor([-64, 0x7FC1, -1], dtype=torch.int16)  # 0xFFC0, 0x7FC1, 0xFFFF
+    rec = ops.mla_fp8_pack(latent, k_pe)
+    assert torch.equal(rec[:, 528:], k_pe.contiguous().view(torch.uint8))
+
+
+def test_index_k_non_finite_rule():
+    keys = _non_finite_latent()[:, :256].clone()
+    q, scales = ops.index_k_quant(keys)
+    for i, row in enumerate(keys.numpy()):
+        want_q, want_s = hand_quant_row(row)
+        assert q[i].numpy().tobytes() == want_q and scales[i].tolist() == want_s, f"row {i}"
+    pages = ops.index_k_page_pack(keys, 2)
+    assert pages.numpy().tobytes() == b"".join(hand_index_page(keys[p : p + 2].numpy()) for p in range(0, 6, 2))
 
 
 def test_mla_fp8_byte_positions():
