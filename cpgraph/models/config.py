@@ -12,10 +12,86 @@ classes; the ones that matter for numerics are listed in ``docs/models.md``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+# Keys that fix the architecture's tensor shapes.  transformers fills them
+# with the full-size model's values when absent, which turns a truncated
+# config.json into a 672B-parameter build; here their absence is an error.
+# Everything else (routing groups, eps, top-k, RoPE, ...) keeps HF's default.
+REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+)
+DENSE_KEYS = ("intermediate_size",)  # needed when some layer has a dense MLP
+MOE_KEYS = ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts")  # MoE layers
+
+# Largest size any config key may give: kernels index rows and columns with int32.
+MAX_SIZE = 2**31 - 1
+
+_MISSING = object()
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Reader:
+    """Typed access to a config dict: every error is one line naming the key."""
+
+    def __init__(self, d: dict, prefix: str = ""):
+        self.d, self.prefix = d, prefix
+
+    def _value(self, key, default, what):
+        v = self.d.get(key, _MISSING)
+        if v is _MISSING:
+            if default is _MISSING:
+                raise ValueError(f"config is missing {self.prefix}{key} ({what})")
+            return default
+        if v is None:
+            raise ValueError(f"config key {self.prefix}{key} is null; it must be {what}")
+        return v
+
+    def int(self, key, default=_MISSING, minimum: int = 1, maximum: int = MAX_SIZE) -> int:
+        what = f"an integer in [{minimum}, {maximum}]"
+        v = self._value(key, default, what)
+        if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+            raise ValueError(f"config key {self.prefix}{key} must be {what}, got {_show(v)}")
+        return v
+
+    def float(self, key, default=_MISSING, minimum: float = 0.0, strict: bool = True) -> float:
+        what = f"a number {'>' if strict else '>='} {minimum:g}"
+        v = self._value(key, default, what)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or (v <= minimum if strict else v < minimum):
+            raise ValueError(f"config key {self.prefix}{key} must be {what}, got {_show(v)}")
+        return float(v)
+
+    def opt_float(self, key) -> float | None:
+        """A finite number, or ``None`` when absent or null."""
+        v = self.d.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"config key {self.prefix}{key} must be a number, got {_show(v)}")
+        return float(v)
+
+    def bool(self, key, default=_MISSING) -> bool:
+        v = self._value(key, default, "true or false")
+        if not isinstance(v, bool):
+            raise ValueError(f"config key {self.prefix}{key} must be true or false, got {_show(v)}")
+        return v
+
+    def list(self, key):
+        """A JSON list (or tuple) or ``None`` when absent/null."""
+        v = self.d.get(key)
+        if v is not None and not isinstance(v, (list, tuple)):
+            raise ValueError(f"config key {self.prefix}{key} must be a list, got {_show(v)}")
+        return v
 
 # How the indexer applies RoPE to the first ``qk_rope_head_dim`` dims of its
 # keys/queries: DeepSeek-V3.2 rotates half-split (NeoX) pairs, GLM-5 rotates
@@ -106,60 +182,71 @@ class DSAConfig:
                 f"unsupported model_type {model_type!r}: cpgraph.models supports {', '.join(MODEL_TYPES)}"
             )
         get = d.get
-        n_layers = int(get("num_hidden_layers", 61 if model_type == "deepseek_v32" else 78))
+        r = _Reader(d)
+        if "q_lora_rank" in d and d["q_lora_rank"] is None:
+            raise ValueError("q_lora_rank is null; DSA models always use a low-rank query (HF drops the other form)")
+        _check_required(d)
+        n_layers = r.int("num_hidden_layers")
         act = get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-        if get("q_lora_rank") is None:
-            raise ValueError("q_lora_rank is null; DSA models always use a low-rank query (HF drops the other form)")
+            raise ValueError(f"hidden_act {_show(act)} is not supported (only 'silu')")
         if get("quantization_config") is not None:
             raise ValueError(
                 "quantized checkpoints (quantization_config present) are not supported; "
                 "convert the weights to bf16/fp32 first"
             )
-        first_dense = int(get("first_k_dense_replace", 3))
-        mlp_types = get("mlp_layer_types")
-        if mlp_types is None:
-            n_dense = min(first_dense, n_layers)
-            mlp_types = ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense)
-        mlp_types = tuple(mlp_types)
-        if len(mlp_types) != n_layers or not set(mlp_types) <= {"dense", "sparse"}:
-            raise ValueError(f"mlp_layer_types must list 'dense'/'sparse' for {n_layers} layers, got {mlp_types!r}")
+        mlp_types = _mlp_layer_types(r, n_layers)
         indexer_types = _indexer_types(model_type, d, n_layers)
-        n_experts = int(get("n_routed_experts", get("num_local_experts", 256)))
-        n_group = int(get("n_group", 8 if model_type == "deepseek_v32" else 1))
-        topk_group = int(get("topk_group", 4 if model_type == "deepseek_v32" else 1))
-        if n_experts % n_group:
-            raise ValueError(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
-        if "sparse" in mlp_types and n_experts // n_group < 2:
-            raise ValueError("group-limited routing scores a group by its top-2 experts: need >= 2 experts per group")
+        sparse = "sparse" in mlp_types
+        if sparse:
+            experts_key = "n_routed_experts" if "n_routed_experts" in d else "num_local_experts"
+            n_experts = r.int(experts_key)
+            n_group = r.int("n_group", 8 if model_type == "deepseek_v32" else 1)
+            topk_group = r.int("topk_group", 4 if model_type == "deepseek_v32" else 1)
+            per_token = r.int("num_experts_per_tok")
+            if n_experts % n_group:
+                raise ValueError(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
+            if n_experts // n_group < 2:
+                raise ValueError("group-limited routing scores a group by its top-2 experts: need >= 2 experts per group")
+            if topk_group > n_group:
+                raise ValueError(f"topk_group={topk_group} exceeds n_group={n_group}")
+            if per_token > topk_group * (n_experts // n_group):
+                raise ValueError(
+                    f"num_experts_per_tok={per_token} exceeds the {topk_group * (n_experts // n_group)} experts "
+                    f"of the topk_group={topk_group} selected group(s)"
+                )
+        else:  # all-dense stacks have no router: keep the (unused) routing fields at harmless values
+            n_experts = r.int("n_routed_experts", 1) if "n_routed_experts" in d else r.int("num_local_experts", 1)
+            n_group = r.int("n_group", 1)
+            topk_group = r.int("topk_group", 1)
+            per_token = r.int("num_experts_per_tok", 1)
         cfg = cls(
             model_type=model_type,
-            vocab_size=int(get("vocab_size", 129280)),
-            hidden_size=int(get("hidden_size", 7168)),
-            intermediate_size=int(get("intermediate_size", 18432)),
-            moe_intermediate_size=int(get("moe_intermediate_size", 2048)),
+            vocab_size=r.int("vocab_size"),
+            hidden_size=r.int("hidden_size"),
+            intermediate_size=r.int("intermediate_size") if "dense" in mlp_types else r.int("intermediate_size", 1),
+            moe_intermediate_size=r.int("moe_intermediate_size") if sparse else r.int("moe_intermediate_size", 1),
             num_hidden_layers=n_layers,
-            num_attention_heads=int(get("num_attention_heads", 128)),
-            q_lora_rank=int(get("q_lora_rank", 1536)),
-            kv_lora_rank=int(get("kv_lora_rank", 512)),
-            qk_nope_head_dim=int(get("qk_nope_head_dim", 128)),
-            qk_rope_head_dim=int(get("qk_rope_head_dim", 64)),
-            v_head_dim=int(get("v_head_dim", 128)),
+            num_attention_heads=r.int("num_attention_heads"),
+            q_lora_rank=r.int("q_lora_rank"),
+            kv_lora_rank=r.int("kv_lora_rank"),
+            qk_nope_head_dim=r.int("qk_nope_head_dim"),
+            qk_rope_head_dim=r.int("qk_rope_head_dim"),
+            v_head_dim=r.int("v_head_dim"),
             n_routed_experts=n_experts,
-            n_shared_experts=int(get("n_shared_experts", 1)),
-            num_experts_per_tok=int(get("num_experts_per_tok", 8)),
+            n_shared_experts=r.int("n_shared_experts", minimum=0) if sparse else r.int("n_shared_experts", 0, 0),
+            num_experts_per_tok=per_token,
             n_group=n_group,
             topk_group=topk_group,
-            norm_topk_prob=bool(get("norm_topk_prob", True)),
-            routed_scaling_factor=float(get("routed_scaling_factor", 2.5)),
-            index_topk=int(get("index_topk", 2048)),
-            index_n_heads=int(get("index_n_heads", 64 if model_type == "deepseek_v32" else 32)),
-            index_head_dim=int(get("index_head_dim", 128)),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6 if model_type == "deepseek_v32" else 1e-5)),
-            attention_bias=bool(get("attention_bias", False)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            max_position_embeddings=int(get("max_position_embeddings", 163840)),
+            norm_topk_prob=r.bool("norm_topk_prob", True),
+            routed_scaling_factor=r.float("routed_scaling_factor", 2.5),
+            index_topk=r.int("index_topk", 2048),
+            index_n_heads=r.int("index_n_heads"),
+            index_head_dim=r.int("index_head_dim"),
+            rms_norm_eps=r.float("rms_norm_eps", 1e-6 if model_type == "deepseek_v32" else 1e-5),
+            attention_bias=r.bool("attention_bias", False),
+            tie_word_embeddings=r.bool("tie_word_embeddings", False),
+            max_position_embeddings=r.int("max_position_embeddings", 163840),
             mlp_layer_types=mlp_types,
             indexer_types=indexer_types,
             indexer_rope=INDEXER_ROPE_BY_TYPE[model_type],
@@ -168,8 +255,6 @@ class DSAConfig:
         )
         if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > cfg.index_head_dim:
             raise ValueError("qk_rope_head_dim must be even and <= index_head_dim (the indexer ropes its first dims)")
-        if cfg.index_topk < 1:
-            raise ValueError(f"index_topk must be >= 1, got {cfg.index_topk}")
         return cfg
 
     @classmethod
@@ -178,28 +263,66 @@ class DSAConfig:
             return cls.from_hf_dict(json.load(f))
 
 
+def _check_required(d: dict) -> None:
+    """Raise one error listing every architecture size the config lacks."""
+    types = d.get("mlp_layer_types")
+    if isinstance(types, (list, tuple)):
+        need_dense, need_moe, layer_keys = "dense" in types, "sparse" in types, ()
+    else:  # which layers are dense is itself unknown without first_k_dense_replace
+        n, k = d.get("num_hidden_layers"), d.get("first_k_dense_replace")
+        known = isinstance(n, int) and isinstance(k, int)
+        need_dense = not known or min(k, n) > 0
+        need_moe = not known or k < n
+        layer_keys = ("first_k_dense_replace",)
+    keys = REQUIRED_KEYS + layer_keys + (DENSE_KEYS if need_dense else ()) + (MOE_KEYS if need_moe else ())
+    missing = [k for k in keys if k not in d]
+    if "n_routed_experts" in missing and "num_local_experts" in d:
+        missing.remove("n_routed_experts")
+    if missing:
+        raise ValueError(
+            f"config is missing {', '.join(missing)}: architecture sizes have no default "
+            "(copy them from the model's config.json)"
+        )
+
+
+def _mlp_layer_types(r: _Reader, n_layers: int) -> tuple[str, ...]:
+    mlp_types = r.list("mlp_layer_types")
+    if mlp_types is None:
+        first_dense = r.int("first_k_dense_replace", minimum=0)
+        n_dense = min(first_dense, n_layers)
+        mlp_types = ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense)
+    mlp_types = tuple(mlp_types)
+    if len(mlp_types) != n_layers or not set(mlp_types) <= {"dense", "sparse"}:
+        raise ValueError(
+            f"mlp_layer_types must list 'dense'/'sparse' for {n_layers} layers, got {_show(list(mlp_types))}"
+        )
+    return mlp_types
+
+
 def _indexer_types(model_type: str, d: dict, n_layers: int) -> tuple[str, ...]:
     """Per-layer ``"full"`` / ``"shared"`` (IndexCache), as transformers resolves it."""
     if model_type == "deepseek_v32":
         return ("full",) * n_layers
-    types = d.get("indexer_types")
+    r = _Reader(d)
+    types = r.list("indexer_types")
     if types is None:
         pattern = d.get("index_topk_pattern")
         if pattern is not None:
             if isinstance(pattern, str):
                 bad = set(pattern) - {"F", "S"}
                 if bad:
-                    raise ValueError(f"index_topk_pattern may contain only 'F'/'S', got {pattern!r}")
+                    raise ValueError(f"index_topk_pattern may contain only 'F'/'S', got {_show(pattern)}")
                 types = [{"F": "full", "S": "shared"}[c] for c in pattern]
             else:
-                types = list(pattern)
+                types = list(r.list("index_topk_pattern"))
         else:
-            freq = max(int(d.get("index_topk_freq", 1) or 1), 1)
-            offset = int(d.get("index_skip_topk_offset", 2))
+            # null or 0 mean "every layer" (transformers clamps the frequency to >= 1 the same way)
+            freq = max(r.int("index_topk_freq", 1, minimum=-MAX_SIZE) if d.get("index_topk_freq") else 1, 1)
+            offset = r.int("index_skip_topk_offset", 2, minimum=-MAX_SIZE)
             types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
     types = tuple(types)
     if len(types) != n_layers or not set(types) <= {"full", "shared"}:
-        raise ValueError(f"indexer_types must list 'full'/'shared' for {n_layers} layers, got {types!r}")
+        raise ValueError(f"indexer_types must list 'full'/'shared' for {n_layers} layers, got {_show(list(types))}")
     if types and types[0] != "full":
         raise ValueError("layer 0 must run its own indexer: a shared layer reuses the previous layer's top-k")
     return types
@@ -207,29 +330,50 @@ def _indexer_types(model_type: str, d: dict, n_layers: int) -> tuple[str, ...]:
 
 def _rope_config(d: dict) -> RopeConfig:
     """Resolve ``rope_parameters`` (transformers 5 form) or legacy ``rope_scaling`` + ``rope_theta``."""
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    key = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
+    params = d.get(key) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config key {key} must be an object, got {_show(params)}")
+    r = _Reader(params, prefix=f"{key}.")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)) or 10000.0)
+    if "rope_theta" in params and params["rope_theta"] is not None:
+        theta = r.float("rope_theta", minimum=1.0)
+    elif d.get("rope_theta") is not None:
+        theta = _Reader(d).float("rope_theta", minimum=1.0)
+    else:
+        theta = 10000.0
     if rope_type == "default":
         return RopeConfig(rope_type="default", theta=theta)
     if rope_type != "yarn":
-        raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' and 'yarn')")
-    max_pos = int(d.get("max_position_embeddings", 163840))
-    orig = int(d.get("original_max_position_embeddings", params.get("original_max_position_embeddings", max_pos)))
-    factor = params.get("factor")
-    factor = float(factor) if factor is not None else max_pos / orig
-    opt = lambda k: None if params.get(k) is None else float(params[k])  # noqa: E731
+        raise ValueError(f"rope type {_show(rope_type)} is not supported (only 'default' and 'yarn')")
+    max_pos = _Reader(d).int("max_position_embeddings", 163840)
+    if d.get("original_max_position_embeddings") is not None:
+        orig = _Reader(d).int("original_max_position_embeddings")
+    else:
+        orig = r.int("original_max_position_embeddings", max_pos)
+    # yarn interpolates by 1/factor and takes log(factor): transformers requires factor >= 1.
+    factor = r.float("factor", minimum=1.0, strict=False) if params.get("factor") is not None else max_pos / orig
+    if factor < 1.0:
+        raise ValueError(
+            f"yarn factor max_position_embeddings / original_max_position_embeddings = {max_pos}/{orig} is below 1"
+        )
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"config key {key}.truncate must be true or false, got {_show(truncate)}")
+    attention_factor = r.opt_float("attention_factor")
+    if attention_factor is not None and attention_factor <= 0:
+        raise ValueError(f"config key {key}.attention_factor must be a number > 0, got {attention_factor:g}")
     return RopeConfig(
         rope_type="yarn",
         theta=theta,
         factor=factor,
         original_max_position_embeddings=orig,
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=opt("mscale"),
-        mscale_all_dim=opt("mscale_all_dim"),
-        attention_factor=opt("attention_factor"),
-        truncate=bool(params.get("truncate", True)),
+        beta_fast=r.float("beta_fast") if params.get("beta_fast") is not None else 32.0,
+        beta_slow=r.float("beta_slow") if params.get("beta_slow") is not None else 1.0,
+        mscale=r.opt_float("mscale"),
+        mscale_all_dim=r.opt_float("mscale_all_dim"),
+        attention_factor=attention_factor,
+        truncate=truncate,
     )
 
 

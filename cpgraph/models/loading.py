@@ -11,11 +11,21 @@ H]``, ``mlp.experts.down_proj [E, H, I]``); both layouts are accepted.
 Multi-token-prediction layers (index >= ``num_hidden_layers``) are skipped,
 as transformers does.  Any mismatch raises a single :class:`WeightLoadError`
 listing every missing, unexpected and mis-shaped tensor.
+
+Checkpoint files are untrusted input: an index may only name shards inside
+the checkpoint directory, and every shard's header is read and checked
+before any tensor is.  ``from_pretrained`` estimates the model's bytes
+before allocating anything and refuses when they exceed the memory
+available (``memory_limit`` / ``CPGRAPH_MEMORY_LIMIT`` override the
+detected amount; see ``docs/models.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import os
 import re
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -24,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .config import DSAConfig, bundled_config_dict, bundled_names
-from .model import DSAForCausalLM
+from .model import DecoderLayer, DSAForCausalLM
 
 # Tensors kept in fp32 whatever the requested dtype (transformers does the same).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -32,6 +42,10 @@ _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_pr
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+MEMORY_LIMIT_ENV = "CPGRAPH_MEMORY_LIMIT"
+
+log = logging.getLogger(__name__)
 
 
 class WeightLoadError(ValueError):
@@ -191,41 +205,211 @@ def from_hf(hf_model, dtype=None, device="cpu") -> DSAForCausalLM:
     return load_state(model, hf_model.state_dict().items())
 
 
+def _read_json(path: Path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _inside(root: Path, name, where: str) -> Path:
+    """``root / name``, refused unless it is a relative path that resolves (symlinks too) inside ``root``.
+
+    Why: an index (or a planted symlink) must not make the loader read files
+    outside the checkpoint the caller pointed at.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where} names a shard that is not a file name: {name!r}")
+    if Path(name).is_absolute():
+        raise ValueError(f"{where} names shard {name!r} by an absolute path; shards must lie inside {root}")
+    path = root / name
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        raise ValueError(f"{where} names shard {name!r}, which resolves outside the checkpoint directory {root}") from None
+    return path
+
+
 def _safetensors_files(root: Path) -> list[Path]:
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted({root / v for v in weight_map.values()})
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: weight_map must be a non-empty object mapping tensor names to shard files")
+        files = sorted({_inside(root, v, str(index)) for v in weight_map.values()})
         absent = [str(p.name) for p in files if not p.is_file()]
         if absent:
             raise ValueError(f"{index} names shard files that do not exist: {', '.join(absent)}")
         return files
-    files = sorted(root.glob("*.safetensors"))
+    files = sorted(_inside(root, p.name, str(root)) for p in root.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{root} holds no *.safetensors files")
     return files
+
+
+def _shard_error(path: Path, exc: Exception) -> ValueError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ValueError(f"{path}: not a valid safetensors file (truncated or corrupt?): {reason}")
+
+
+def _check_shards(files: list[Path]) -> None:
+    """Open every shard's header first: a bad shard fails before any tensor is read."""
+    from safetensors import safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
+            raise _shard_error(path, exc) from None
 
 
 def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
     from safetensors import safe_open
 
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except GeneratorExit:
+            raise
+        except Exception as exc:
+            raise _shard_error(path, exc) from None
 
 
-def from_pretrained(path, dtype=None, device="cpu", seed: int = 0) -> DSAForCausalLM:
+# ------------------------------------------------------------- memory check
+def estimate_model_bytes(cfg: DSAConfig, dtype=torch.float32) -> int:
+    """Bytes ``build_model(cfg, dtype)`` allocates (parameters and buffers), without allocating them.
+
+    Builds one decoder layer of each (MLP kind, indexer kind) on the meta
+    device and multiplies by the number of such layers, so the cost does not
+    grow with the layer count and the module code stays the one source of
+    truth for shapes.
+    """
+    dtype = resolve_dtype(dtype)
+
+    def nbytes(module, prefix: str) -> int:
+        total = 0
+        for name, p in module.named_parameters():
+            size = 4 if _keeps_fp32(prefix + name) else dtype.itemsize
+            total += p.numel() * (size if p.dtype.is_floating_point else p.element_size())
+        return total + sum(b.numel() * b.element_size() for b in module.buffers())
+
+    kinds: dict[tuple[str, str], list[int]] = {}
+    for i, kind in enumerate(zip(cfg.mlp_layer_types, cfg.indexer_types)):
+        kinds.setdefault(kind, []).append(i)
+    try:
+        with torch.device("meta"):
+            total = nbytes(DSAForCausalLM(dataclasses.replace(cfg, num_hidden_layers=0, mlp_layer_types=(),
+                                                              indexer_types=())), "")
+            for layers in kinds.values():
+                total += len(layers) * nbytes(DecoderLayer(cfg, layers[0]), f"model.layers.{layers[0]}.")
+    except (RuntimeError, OverflowError) as exc:
+        raise ValueError(f"the config describes tensors too large to build: {str(exc).splitlines()[0]}") from None
+    return total
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
+
+
+def _host_available() -> int | None:
+    """Available host RAM (Linux ``MemAvailable``), or ``None`` when the platform does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _memory_limit(memory_limit):
+    """``None`` (detect), ``"off"``, or a byte count, from the argument or else ``CPGRAPH_MEMORY_LIMIT``."""
+    source = "memory_limit"
+    if memory_limit is None:
+        memory_limit = os.environ.get(MEMORY_LIMIT_ENV) or None
+        source = MEMORY_LIMIT_ENV
+        if isinstance(memory_limit, str) and memory_limit.strip().isdigit():
+            memory_limit = int(memory_limit.strip())
+    if memory_limit is None or memory_limit == "off":
+        return memory_limit
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 1:
+        raise ValueError(f"{source} must be a positive number of bytes or 'off', got {memory_limit!r}")
+    return memory_limit
+
+
+def check_memory(cfg: DSAConfig, dtype, device, *, staged_bytes: int = 0, memory_limit=None, what: str = "model") -> int:
+    """Refuse (``ValueError``) before allocating when the model cannot fit; returns the estimated model bytes.
+
+    ``staged_bytes``: checkpoint bytes held in host RAM while loading (the
+    loader reads every tensor before copying any, so a failed load changes
+    nothing).  On ``cuda`` the model must fit the device's free memory and the
+    staged checkpoint the host's; on ``cpu`` both share host RAM.
+    ``memory_limit`` (bytes) replaces the detected amounts; ``"off"`` skips
+    the check.
+    """
+    limit = _memory_limit(memory_limit)
+    need = estimate_model_bytes(cfg, dtype)
+    if limit == "off":
+        return need
+    dev = torch.device(device)
+    if dev.type == "meta":
+        return need
+    checks = []  # (bytes needed, where, available)
+    if dev.type == "cuda":
+        if limit is None:
+            free, _ = torch.cuda.mem_get_info(dev)
+        checks.append((need, f"device memory on {dev}", limit if limit is not None else free))
+        if staged_bytes:
+            checks.append((staged_bytes, "host RAM (checkpoint staging)", limit if limit is not None else _host_available()))
+    elif dev.type == "cpu":
+        checks.append((need + staged_bytes, "host RAM", limit if limit is not None else _host_available()))
+    else:
+        if limit is None:
+            log.warning("from_pretrained: no memory check for device type %r (cannot query its free memory)", dev.type)
+            return need
+        checks.append((need, f"memory on {dev}", limit))
+    for want, where, available in checks:
+        if available is None:
+            log.warning("from_pretrained: cannot tell how much %s is available; skipping the memory check", where)
+            continue
+        if want > available:
+            detail = f"{need} bytes of weights in {resolve_dtype(dtype)}"
+            if staged_bytes and "host" in where:
+                detail += f" + {staged_bytes} bytes of checkpoint read before copying"
+            raise ValueError(
+                f"{what} needs about {_gib(want)} of {where} ({detail}) but {_gib(available)} is available; "
+                f"use a smaller dtype, or override with memory_limit= / {MEMORY_LIMIT_ENV}=BYTES|off"
+            )
+    return need
+
+
+def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_limit=None) -> DSAForCausalLM:
     """Load a local HF checkpoint directory, or build a bundled tiny model by name.
 
     ``dtype``: ``None`` keeps the config's ``torch_dtype`` (float32 for the
     bundled models); ``torch.bfloat16`` etc. converts.  Never downloads.
+    Before allocating, the model's bytes are estimated and compared with the
+    free memory of ``device`` (host RAM for ``cpu``); ``memory_limit`` (bytes,
+    or ``"off"``; default: ``$CPGRAPH_MEMORY_LIMIT``, else detected) overrides.
     """
     root = Path(path)
     if not root.is_dir():
         if str(path) in bundled_names():
-            return tiny_model(str(path), dtype=resolve_dtype(dtype or "float32"), seed=seed, device=device)
+            dt = resolve_dtype(dtype or "float32")
+            check_memory(DSAConfig.from_hf_dict(bundled_config_dict(str(path))), dt, device,
+                         memory_limit=memory_limit, what=f"bundled model {path!r}")
+            return tiny_model(str(path), dtype=dt, seed=seed, device=device)
         raise ValueError(
             f"{path!r} is neither a local checkpoint directory nor a bundled model "
             f"({', '.join(bundled_names())}); cpgraph never downloads weights"
@@ -233,7 +417,11 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0) -> DSAForCaus
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{root} has no config.json")
-    with open(cfg_path) as f:
-        cfg = DSAConfig.from_hf_dict(json.load(f))
-    model = build_model(cfg, resolve_dtype(dtype or cfg.torch_dtype), device)
-    return load_state(model, _read_safetensors(_safetensors_files(root)))
+    cfg = DSAConfig.from_hf_dict(_read_json(cfg_path))
+    dt = resolve_dtype(dtype or cfg.torch_dtype)
+    files = _safetensors_files(root)
+    _check_shards(files)
+    check_memory(cfg, dt, device, staged_bytes=sum(p.stat().st_size for p in files), memory_limit=memory_limit,
+                 what=f"checkpoint {root}")
+    model = build_model(cfg, dt, device)
+    return load_state(model, _read_safetensors(files))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cpgraph.models import DSAConfig, WeightLoadError, from_hf, from_pretrained, prefill_logits, tiny_model
+from cpgraph.models import DSAConfig, WeightLoadError, build_model, from_hf, from_pretrained, prefill_logits, tiny_model
 from cpgraph.models.config import bundled_config_dict, bundled_names
 
 from hf_oracle import cached_pair, config_variants, prompts
@@ -169,3 +169,254 @@ def test_config_resolution_matches_transformers():
     assert (r.rope_type, r.theta, r.factor, r.original_max_position_embeddings) == ("yarn", 5000.0, 4.0, 256)
     with pytest.raises(ValueError, match="rope type"):
         DSAConfig.from_hf_dict(dict(legacy, rope_scaling={"type": "longrope"}))
+
+
+# ---------------------------------------------------------------- config validation
+FULL_SIZE = dict(  # DeepSeek-V3.2's sizes: about 672B parameters
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+    index_n_heads=64, index_head_dim=128, first_k_dense_replace=3,
+)
+
+
+def test_missing_architecture_sizes_are_named():
+    with pytest.raises(ValueError) as err:
+        DSAConfig.from_hf_dict({"model_type": "deepseek_v32", "q_lora_rank": 1536})
+    msg = str(err.value)
+    assert msg.startswith("config is missing vocab_size, hidden_size, num_hidden_layers,") and "\n" not in msg
+    for key in ("kv_lora_rank", "first_k_dense_replace", "intermediate_size", "n_routed_experts", "n_shared_experts"):
+        assert key in msg
+    assert "q_lora_rank" not in msg.split(":")[0]
+    d = bundled_config_dict("tiny-glm5")
+    for key in ("hidden_size", "index_head_dim", "moe_intermediate_size"):
+        with pytest.raises(ValueError, match=f"^config is missing {key}: architecture sizes have no default"):
+            DSAConfig.from_hf_dict({k: v for k, v in d.items() if k != key})
+
+
+def test_optional_keys_keep_hf_defaults():
+    d = bundled_config_dict("tiny-glm5")
+    for key in ("index_topk", "n_group", "topk_group", "rms_norm_eps", "max_position_embeddings", "routed_scaling_factor",
+                "norm_topk_prob", "attention_bias", "tie_word_embeddings", "rope_parameters", "torch_dtype"):
+        DSAConfig.from_hf_dict({k: v for k, v in d.items() if k != key})
+    # An all-dense stack needs no MoE sizes; mlp_layer_types replaces first_k_dense_replace.
+    dense = {k: v for k, v in d.items() if k not in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+                                                     "n_shared_experts", "first_k_dense_replace")}
+    cfg = DSAConfig.from_hf_dict(dict(dense, mlp_layer_types=["dense"] * 4))
+    assert cfg.mlp_layer_types == ("dense",) * 4
+    model = build_model(cfg)
+    assert not any("experts" in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(hidden_size=None), "config key hidden_size is null; it must be an integer in [1, 2147483647]"),
+        (dict(hidden_size=[64]), "config key hidden_size must be an integer in [1, 2147483647], got [64]"),
+        (dict(num_attention_heads=-4), "config key num_attention_heads must be an integer in [1, 2147483647], got -4"),
+        (dict(vocab_size=512.0), "config key vocab_size must be an integer in [1, 2147483647], got 512.0"),
+        (dict(kv_lora_rank=2**40), "config key kv_lora_rank must be an integer in [1, 2147483647], got 1099511627776"),
+        (dict(n_shared_experts=-1), "config key n_shared_experts must be an integer in [0, 2147483647], got -1"),
+        (dict(num_hidden_layers=None), "config key num_hidden_layers is null"),
+        (dict(first_k_dense_replace=[1]), "config key first_k_dense_replace must be an integer in [0, 2147483647]"),
+        (dict(mlp_layer_types=5), "config key mlp_layer_types must be a list, got 5"),
+        (dict(indexer_types="full"), "config key indexer_types must be a list, got 'full'"),
+        (dict(attention_bias="false"), "config key attention_bias must be true or false, got 'false'"),
+        (dict(rms_norm_eps=0), "config key rms_norm_eps must be a number > 0, got 0"),
+        (dict(routed_scaling_factor=None), "config key routed_scaling_factor is null; it must be a number > 0"),
+        (dict(index_topk=0), "config key index_topk must be an integer in [1, 2147483647], got 0"),
+        (dict(rope_parameters=[1, 2]), "config key rope_parameters must be an object, got [1, 2]"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}),
+         "config key rope_parameters.rope_theta must be a number > 1, got -1"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds the 8 experts of the topk_group=1 selected group(s)"),
+        (dict(topk_group=2), "topk_group=2 exceeds n_group=1"),
+    ],
+)
+def test_bad_config_values_name_the_key(change, message):
+    with pytest.raises(ValueError) as err:
+        DSAConfig.from_hf_dict(dict(bundled_config_dict("tiny-glm5"), **change))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(factor=0), "config key rope_parameters.factor must be a number >= 1, got 0"),
+        (dict(factor=None, original_max_position_embeddings=0),
+         "config key rope_parameters.original_max_position_embeddings must be an integer in [1, 2147483647], got 0"),
+        (dict(factor=None, original_max_position_embeddings=2048),
+         "yarn factor max_position_embeddings / original_max_position_embeddings = 1024/2048 is below 1"),
+        (dict(beta_fast=0), "config key rope_parameters.beta_fast must be a number > 0, got 0"),
+        (dict(beta_slow=-1), "config key rope_parameters.beta_slow must be a number > 0, got -1"),
+        (dict(mscale="1"), "config key rope_parameters.mscale must be a number, got '1'"),
+        (dict(truncate=1), "config key rope_parameters.truncate must be true or false, got 1"),
+        (dict(attention_factor=0), "config key rope_parameters.attention_factor must be a number > 0, got 0"),
+    ],
+)
+def test_bad_yarn_parameters_name_the_key(change, message):
+    d = bundled_config_dict("tiny-deepseek-v32")
+    rope = dict(d["rope_parameters"], **change)
+    with pytest.raises(ValueError) as err:
+        DSAConfig.from_hf_dict(dict(d, rope_parameters=rope))
+    assert message in str(err.value)
+
+
+def test_bundled_configs_still_load():
+    for name in bundled_names():
+        cfg = DSAConfig.from_hf_dict(bundled_config_dict(name))
+        assert cfg.num_hidden_layers >= 2
+
+
+# ---------------------------------------------------------------- memory estimate
+def test_estimate_matches_the_built_model():
+    from cpgraph.models.loading import estimate_model_bytes
+
+    for name, d in list(config_variants().items()) + [("tied", dict(bundled_config_dict("tiny-glm5"), tie_word_embeddings=True))]:
+        cfg = DSAConfig.from_hf_dict(d)
+        for dtype in (torch.float32, torch.bfloat16):
+            model = build_model(cfg, dtype)
+            real = sum(p.numel() * p.element_size() for p in model.parameters())
+            real += sum(b.numel() * b.element_size() for b in model.buffers())
+            assert estimate_model_bytes(cfg, dtype) == real, (name, dtype)
+    full = DSAConfig.from_hf_dict(dict(FULL_SIZE, model_type="deepseek_v32"))
+    assert 1.2e12 < estimate_model_bytes(full, torch.bfloat16) < 1.4e12  # ~672B parameters, mostly 2 bytes
+
+
+def _full_size_checkpoint(tmp_path):
+    cfg = dict(FULL_SIZE, model_type="deepseek_v32", torch_dtype="bfloat16")
+    _write_checkpoint(tmp_path, cfg, {"model.norm.weight": torch.ones(4)})
+    return tmp_path
+
+
+def test_from_pretrained_refuses_before_allocating(tmp_path, monkeypatch):
+    import cpgraph.models.loading as loading
+
+    def no_alloc(*a, **k):
+        raise AssertionError("build_model ran: the model would have been allocated")
+
+    root = _full_size_checkpoint(tmp_path)
+    monkeypatch.setattr(loading, "build_model", no_alloc)
+    monkeypatch.setattr(loading, "_host_available", lambda: 64 * 2**30)
+    monkeypatch.delenv("CPGRAPH_MEMORY_LIMIT", raising=False)
+    with pytest.raises(ValueError) as err:
+        from_pretrained(root)
+    msg = str(err.value)
+    assert f"checkpoint {root} needs about 1251.72 GiB" in msg and "of host RAM" in msg and "\n" not in msg
+    assert "but 64.00 GiB (68719476736 bytes) is available" in msg and "CPGRAPH_MEMORY_LIMIT" in msg
+    with pytest.raises(ValueError, match=r"but 0.00 GiB \(1000 bytes\) is available"):
+        from_pretrained(root, memory_limit=1000)
+    monkeypatch.setenv("CPGRAPH_MEMORY_LIMIT", "2000")
+    with pytest.raises(ValueError, match=r"\(2000 bytes\) is available"):
+        from_pretrained(root)
+    monkeypatch.setenv("CPGRAPH_MEMORY_LIMIT", "lots")
+    with pytest.raises(ValueError, match="CPGRAPH_MEMORY_LIMIT must be a positive number of bytes or 'off', got 'lots'"):
+        from_pretrained(root)
+    monkeypatch.setenv("CPGRAPH_MEMORY_LIMIT", "off")  # the check is skipped: we reach the (patched) allocation
+    with pytest.raises(AssertionError, match="build_model ran"):
+        from_pretrained(root)
+
+
+def test_memory_check_on_cuda_uses_device_free_memory(monkeypatch):
+    import cpgraph.models.loading as loading
+
+    cfg = DSAConfig.from_hf_dict(bundled_config_dict("tiny-glm5"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1000, 2000))
+    monkeypatch.setattr(loading, "_host_available", lambda: 2**40)
+    with pytest.raises(ValueError, match=r"of device memory on cuda:0 .* but 0.00 GiB \(1000 bytes\) is available"):
+        loading.check_memory(cfg, torch.float32, "cuda:0")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2**40, 2**41))
+    assert loading.check_memory(cfg, torch.float32, "cuda:0", staged_bytes=10) == 1480832
+
+
+def test_bundled_models_pass_the_memory_check():
+    assert from_pretrained("tiny-glm5", memory_limit=2 * 1480832) is not None
+    with pytest.raises(ValueError, match="bundled model 'tiny-glm5' needs about"):
+        from_pretrained("tiny-glm5", memory_limit=1480831)
+
+
+# ---------------------------------------------------------------- corrupt checkpoints
+def _tiny_checkpoint(tmp_path, sharded=False):
+    hf, model = cached_pair("ds-a")
+    root = tmp_path / "ckpt"
+    if sharded:
+        hf.save_pretrained(root, max_shard_size="100KB")
+    else:
+        _write_checkpoint(root, bundled_config_dict("tiny-deepseek-v32"), dict(model.state_dict()))
+    return root
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "empty"])
+def test_corrupt_safetensors_is_one_line_error_naming_the_file(tmp_path, damage):
+    root = _tiny_checkpoint(tmp_path)
+    shard = root / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes({"truncate": data[: len(data) // 2], "header": b"\xff" * 8 + data[8:], "empty": b""}[damage])
+    with pytest.raises(ValueError) as err:
+        from_pretrained(root)
+    msg = str(err.value)
+    assert msg.startswith(f"{shard}: not a valid safetensors file") and "\n" not in msg
+
+
+def test_corrupt_shard_of_a_sharded_checkpoint(tmp_path):
+    root = _tiny_checkpoint(tmp_path, sharded=True)
+    shards = sorted(root.glob("*.safetensors"))
+    shards[-1].write_bytes(shards[-1].read_bytes()[:-10])
+    with pytest.raises(ValueError, match=f"^{shards[-1]}: not a valid safetensors file"):
+        from_pretrained(root)
+
+
+@pytest.mark.parametrize("weight_map", [["model.safetensors"], "model.safetensors", None, {}, 3])
+def test_index_weight_map_must_be_a_mapping(tmp_path, weight_map):
+    root = _tiny_checkpoint(tmp_path)
+    index = root / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ValueError) as err:
+        from_pretrained(root)
+    assert str(err.value) == f"{index}: weight_map must be a non-empty object mapping tensor names to shard files"
+
+
+def test_index_that_is_not_json(tmp_path):
+    root = _tiny_checkpoint(tmp_path)
+    (root / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not valid JSON"):
+        from_pretrained(root)
+    (root / "model.safetensors.index.json").unlink()
+    (root / "config.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        from_pretrained(root)
+
+
+def test_index_cannot_name_shards_outside_the_checkpoint(tmp_path):
+    root = _tiny_checkpoint(tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((root / "model.safetensors").read_bytes())
+    index = root / "model.safetensors.index.json"
+
+    def use(name):
+        index.write_text(json.dumps({"weight_map": {"model.norm.weight": name}}))
+        with pytest.raises(ValueError) as err:
+            from_pretrained(root)
+        return str(err.value)
+
+    assert use(str(outside)) == f"{index} names shard {str(outside)!r} by an absolute path; shards must lie inside {root}"
+    assert use("../outside.safetensors") == (
+        f"{index} names shard '../outside.safetensors', which resolves outside the checkpoint directory {root}")
+    (root / "link.safetensors").symlink_to(outside)
+    assert "'link.safetensors', which resolves outside the checkpoint directory" in use("link.safetensors")
+    assert "not a file name: 7" in use(7)
+    # Without an index, a symlink planted in the directory is refused the same way.
+    index.unlink()
+    (root / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="'link.safetensors', which resolves outside the checkpoint directory"):
+        from_pretrained(root)
+
+
+def test_shards_inside_the_checkpoint_still_load(tmp_path):
+    root = _tiny_checkpoint(tmp_path)
+    (root / "sub").mkdir()
+    (root / "model.safetensors").rename(root / "sub" / "weights.safetensors")
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "sub/../sub/weights.safetensors"}}))
+    loaded = from_pretrained(root)
+    _, model = cached_pair("ds-a")
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
