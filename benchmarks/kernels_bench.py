@@ -16,10 +16,20 @@ bytes stands in for the all-gather: time(copy + placement) and
 time(folded placement, rows written straight to their final positions from
 the per-rank send buffers) against time(copy alone).
 
+Rows marked ``oob`` run the same op with 5% of the ids out of range (below
+-1, past the end, 2**40): the kernels mask every load and store by the
+index range, so these rows must be exact and as fast as their in-range
+twins.  What the masking costs is shown by ``--compare``: run the benchmark
+of the commit before the masking with ``--out before.json`` (its table has
+the same columns), then this one with ``--compare before.json`` to print,
+per op, eager and graphed time after / before (1.00 = no change; run-to-run
+noise on the H200 is a few percent for the sub-50-us ops).
+
 Writes JSON beside the table (``benchmarks/results/kernels_bench.json``).
 
     python benchmarks/kernels_bench.py            # 32K and 128K tokens
     python benchmarks/kernels_bench.py --quick    # 8K tokens, short timing loops (smoke run)
+    python benchmarks/kernels_bench.py --compare before.json
 """
 
 from __future__ import annotations
@@ -115,6 +125,13 @@ def _perm_index(n_out: int, n_src: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randperm(max(n_src, n_out), device="cuda", generator=gen)[:n_out] % max(n_src, 1)
 
 
+def _with_bad_ids(idx: torch.Tensor, n_src: int, gen: torch.Generator, frac: float = 0.05) -> torch.Tensor:
+    """``idx`` with ``frac`` of its entries replaced by out-of-range ids (treated like -1 by every op)."""
+    bad = torch.tensor([-2, -7, n_src, n_src + 1, 2**40, -(2**40)], device="cuda")
+    pick = bad[torch.randint(0, bad.numel(), idx.shape, device="cuda", generator=gen)]
+    return torch.where(torch.rand(idx.shape, device="cuda", generator=gen) < frac, pick, idx.to(torch.int64))
+
+
 def _row_kind(m: int, gen: torch.Generator) -> torch.Tensor:
     kind = (torch.rand(m, device="cuda", generator=gen) < 0.06).to(torch.int64)  # CP compute padding
     kind[-max(m // 64, 1) :] = 2  # static padding at the tail
@@ -137,6 +154,9 @@ def cases(tokens: int, gen: torch.Generator):
     idx = _perm_index(tokens, tokens, gen)
     yield ("take_rows", f"{tokens}x{HIDDEN} bf16", 2 * tokens * row + tokens * 8,
            lambda: move.take_rows(x, idx), lambda: rows.take_rows_reference(x, idx), None)  # fmt: skip
+    bad_idx = _with_bad_ids(idx, tokens, gen)
+    yield ("take_rows oob", f"{tokens}x{HIDDEN} bf16, 5% bad ids", 2 * tokens * row + tokens * 8,
+           lambda: move.take_rows(x, bad_idx), lambda: rows.take_rows_reference(x, bad_idx), None)  # fmt: skip
     rerange_index, gathered_rows = _rerange_case(tokens)
     gathered = torch.randn(gathered_rows, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
     t = rerange_index.shape[0]
@@ -175,6 +195,12 @@ def cases(tokens: int, gen: torch.Generator):
            lambda: move.paged_store(pool, rec, slots), lambda: paged.paged_store_reference(pool, rec, slots), pool)  # fmt: skip
     yield ("paged_gather", f"{tokens} x 656 B", 2 * tokens * 656 + tokens * 8,
            lambda: move.paged_gather(pool, slots), lambda: paged.paged_gather_reference(pool, slots), None)  # fmt: skip
+    bad_slots = _with_bad_ids(slots, num_slots, gen)
+    yield ("paged_store oob", f"{tokens} x 656 B, 5% bad slots", 2 * tokens * 656 + tokens * 8,
+           lambda: move.paged_store(pool, rec, bad_slots), lambda: paged.paged_store_reference(pool, rec, bad_slots),
+           pool)  # fmt: skip
+    yield ("paged_gather oob", f"{tokens} x 656 B, 5% bad slots", 2 * tokens * 656 + tokens * 8,
+           lambda: move.paged_gather(pool, bad_slots), lambda: paged.paged_gather_reference(pool, bad_slots), None)  # fmt: skip
     dense = torch.cat([latent, k_pe], dim=1)
     dpool = torch.zeros(num_slots, 576, dtype=torch.bfloat16, device="cuda")
     yield ("paged_store", f"{tokens} x 1152 B (bf16 576)", 2 * tokens * 1152 + tokens * 8,
@@ -194,6 +220,12 @@ def cases(tokens: int, gen: torch.Generator):
     yield ("index_k_gather", f"{tokens} x 132 B, page {PAGE}", tokens * (2 * 132 + 8),
            lambda: move.index_k_gather(pages, slots, PAGE, INDEX_DIM),
            lambda: paged.index_k_gather_reference(pages, slots, PAGE, INDEX_DIM), None)  # fmt: skip
+    yield ("index_k_store oob", f"{tokens} tok bf16 -> 132 B, 5% bad slots", tokens * (256 + 132 + 8),
+           lambda: kcodecs.index_k_store(pages, keys, bad_slots, PAGE),
+           lambda: paged.index_k_store_reference(pages, keys, bad_slots, PAGE), pages)  # fmt: skip
+    yield ("index_k_gather oob", f"{tokens} x 132 B, 5% bad slots", tokens * (2 * 132 + 8),
+           lambda: move.index_k_gather(pages, bad_slots, PAGE, INDEX_DIM),
+           lambda: paged.index_k_gather_reference(pages, bad_slots, PAGE, INDEX_DIM), None)  # fmt: skip
     del keys, pages
 
     # --- materialisation: pack (prefix + current rows of every kind -> send rows) and placement
@@ -329,13 +361,68 @@ def print_tables(device: str, results: list[dict], rerange: list[dict]) -> None:
         )
 
 
+def _key(r: dict) -> tuple:
+    return (r["op"], r["shape"], r["tokens"])
+
+
+def print_compare(results: list[dict], before_path: Path) -> list[dict]:
+    """Per op present in both runs: eager and graphed time after / before (same columns, same shapes)."""
+    try:
+        before = {_key(r): r for r in json.loads(before_path.read_text())["ops"] if "error" not in r}
+    except (OSError, ValueError, KeyError) as exc:
+        _fail(f"--compare {before_path}: cannot read an earlier kernels_bench JSON ({exc})")
+    rows_out = []
+    print(f"\nCompared with {before_path} (after / before; 1.00 = same time, < 1 faster)")
+    hdr = f"{'op':<24} {'shape':<34} {'ms before':>9} {'ms after':>9} {'x':>6} {'graph before':>12} {'graph after':>11} {'x':>6}"
+    print(hdr)
+    print("-" * len(hdr))
+    ratios = []
+    for r in results:
+        b = before.get(_key(r))
+        if b is None or "error" in r:
+            continue
+        entry = {"op": r["op"], "shape": r["shape"], "tokens": r["tokens"], "ms_ratio": r["ms"] / b["ms"]}
+        g = ""
+        if "graph_ms" in r and "graph_ms" in b:
+            entry["graph_ratio"] = r["graph_ms"] / b["graph_ms"]
+            ratios.append(entry["graph_ratio"])
+            g = f"{b['graph_ms']:>12.4f} {r['graph_ms']:>11.4f} {entry['graph_ratio']:>6.3f}"
+        print(f"{r['op']:<24} {r['shape']:<34} {b['ms']:>9.4f} {r['ms']:>9.4f} {entry['ms_ratio']:>6.3f} {g}")
+        rows_out.append(entry)
+    if ratios:
+        ratios.sort()
+        geo = 1.0
+        for x in ratios:
+            geo *= x ** (1.0 / len(ratios))
+        print(f"graphed time after/before over {len(ratios)} ops: geometric mean {geo:.3f}, "
+              f"median {ratios[len(ratios) // 2]:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}")  # fmt: skip
+    return rows_out
+
+
+def _provenance() -> dict:
+    """Which cpgraph the run imported and its git commit (so a before/after pair is unambiguous)."""
+    import subprocess
+
+    root = Path(kernels.__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"cpgraph": str(root), "commit": commit}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8K tokens and short timing loops (smoke run)")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts (default 32768 131072)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "kernels_bench.json")
+    ap.add_argument("--compare", type=Path, default=None, metavar="BEFORE_JSON",
+                    help="an earlier run's JSON (e.g. of the commit before a kernel change): print after/before times")  # fmt: skip
     args = ap.parse_args()
+    if args.compare is not None and not args.compare.is_file():
+        _fail(f"--compare {args.compare}: no such file")
     if not torch.cuda.is_available():
         _fail("needs a CUDA device (the Triton kernels are GPU providers; CPU tests run under TRITON_INTERPRET=1)")
     if not kernels.REGISTERED:
@@ -346,8 +433,10 @@ def main() -> None:
     results = run_table(bench, tokens, args.seed)
     rerange = run_rerange(bench, tokens, args.seed)
     print_tables(device, results, rerange)
+    compared = print_compare(results, args.compare) if args.compare is not None else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
+        **_provenance(),
         "device": device,
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -356,6 +445,8 @@ def main() -> None:
         "ops": results,
         "rerange_one_gpu_local_copy_stand_in": rerange,
     }
+    if compared is not None:
+        payload["compared_with"] = {"path": str(args.compare), "ops": compared}
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     if any("error" in r or not r.get("exact", False) for r in results) or not all(r["exact"] for r in rerange):
