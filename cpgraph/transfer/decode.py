@@ -52,9 +52,9 @@ class TransferRefused(RuntimeError):
 
 class DecodeSide:
     def __init__(self, pool: KVPool, *, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
-                 max_rooms: int = 64, timeout: float = 5.0):
+                 max_rooms: int = 64, timeout: float = 5.0, strict_bind: bool = False):
         self.pool, self.timeout = pool, timeout
-        self.engine = MooncakeEngine(host, protocol, device_name)
+        self.engine = MooncakeEngine(host, protocol, device_name, strict_bind=strict_bind)
         for t in pool.mla + list(pool.index_k.values()):
             self.engine.register(t)
         self.aux = torch.zeros(max_rooms, AUX_BYTES // 8, dtype=torch.int64)
