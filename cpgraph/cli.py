@@ -280,12 +280,11 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
 
 def cp_timing_line(cp: int, device: str, backend: str, res) -> str:
     """The CP run's timing: computed tokens (and, with ``--cache``, cached ones) of the timed pass."""
-    rate = res.tokens_computed / max(res.seconds, 1e-9)
     if res.cache is not None:
         what = (f"timed warm pass computed {res.tokens_computed} token(s) and took {res.tokens_cached} from the "
-                f"prefix cache in {res.seconds:.3f} s ({rate:.0f} computed tok/s) after a {res.compile_seconds:.1f} s "
-                f"cold pass (compile)")
+                f"prefix cache in {res.seconds:.3f} s after a {res.compile_seconds:.1f} s cold pass (compile)")
     else:
+        rate = res.tokens_computed / max(res.seconds, 1e-9)
         what = (f"{res.tokens_computed} tokens computed in {res.seconds:.3f} s ({rate:.0f} tok/s) after a "
                 f"{res.compile_seconds:.1f} s first run (compile)")
     return f"CP={cp} on {device} ({backend}): {what}; every rank holds the same logits: {res.ranks_agree}"

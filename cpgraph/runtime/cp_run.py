@@ -204,7 +204,7 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool, report:
                          host_layout=spec.host_layout, write_policy=spec.write_policy)
     report(f"compiling ({spec.backend}) in the first (cold) cache pass", every_rank=True)
     t0 = time.perf_counter()
-    first = engine.prefill(spec.prompts)
+    first = engine.prefill(spec.prompts, progress=lambda m: report(f"cold pass: {m}"))
     if cuda:
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
@@ -212,9 +212,9 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool, report:
     if spec.evict:
         report("evicting the device cache (L1) to the host pool (L2)")
     evicted = engine.evict_device() if spec.evict else 0
-    report("second (warm) cache pass, timed")
+    report("second (warm) cache pass, timed (new shapes may recompile)")
     t0 = time.perf_counter()
-    second = engine.prefill(spec.prompts)
+    second = engine.prefill(spec.prompts, progress=lambda m: report(f"warm pass: {m}"))
     if cuda:
         torch.cuda.synchronize()
     second_s = time.perf_counter() - t0
