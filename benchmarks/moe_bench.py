@@ -1,0 +1,115 @@
+"""Routed-expert cost: ``cpgraph::moe_experts`` (grouped GEMMs) vs the dense form, on one GPU.
+
+Shapes: ``kernel`` = the kernel-shaped bench model's MoE (H 2048, I 512, 8 experts, top-2);
+``v3`` = DeepSeek-V3.2's (H 7168, I 2048, 256 experts, top-8; 22.5 GB of bf16 expert weights).
+Routing: ``uniform`` (random distinct experts per row) or ``skewed`` (expert 0 in every row's
+first slot).  ``--valid`` bounds the real rows (the rest are padding that must cost nothing).
+Reports median ms, routed TFLOP/s (``6 * H * I * top_k`` per real row) and its share of a dense
+bf16 GEMM measured in the same run; the dense form (every expert on every row) is timed where
+it fits (``--dense-max-rows``), and the max |diff| between both is printed.
+
+    python benchmarks/moe_bench.py [--shapes kernel,v3] [--rows 2048,8192,32768] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = {"kernel": (2048, 512, 8, 2), "v3": (7168, 2048, 256, 8)}
+
+
+def time_ms(fn, repeat: int) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def routing(M: int, E: int, k: int, skewed: bool, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.rand(M, E, generator=g).argsort(dim=1)[:, :k]
+    if skewed:  # expert 0 first in every row, the other slots avoid it
+        ids = torch.rand(M, E - 1, generator=g).argsort(dim=1)[:, : k - 1] + 1
+        ids = torch.cat([torch.zeros(M, 1, dtype=ids.dtype), ids], dim=1)
+    w = torch.rand(M, k, generator=g) + 0.1
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="kernel,v3")
+    ap.add_argument("--rows", default="2048,8192,32768")
+    ap.add_argument("--routing", default="uniform,skewed")
+    ap.add_argument("--valid", type=float, default=1.0, help="fraction of rows that are real (rest: padding)")
+    ap.add_argument("--dense-max-rows", type=int, default=8192, help="time the dense form up to this many rows")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("moe_bench: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import cpgraph.kernels  # noqa: F401
+    from cpgraph.ops.moe import moe_experts_reference
+    from cpgraph.ops.providers import active_provider
+
+    ops = torch.ops.cpgraph
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    gemm = 2 * n**3 / (time_ms(lambda: a @ a, args.repeat) * 1e-3) / 1e12
+    del a
+    print(f"moe_bench on {name}: provider {active_provider('moe_experts', 'cuda')!r}, dense bf16 GEMM {gemm:.0f} TFLOP/s")
+    print(f"{'shape':<8}{'rows':>8}{'valid':>8}{'routing':>9}{'ms':>9}{'TFLOP/s':>9}{'%GEMM':>7}{'dense ms':>10}{'max|d|':>9}")
+    rows_out = []
+    g = torch.Generator().manual_seed(0)
+    for shape in args.shapes.split(","):
+        H, I, E, k = SHAPES[shape]
+        gate_up = (torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * H**-0.5)
+        down = (torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * I**-0.5)
+        for M in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+            V = max(0, min(M, round(M * args.valid)))
+            nv = torch.tensor([V], device=dev)
+            for mode in args.routing.split(","):
+                ids, w = (t.to(dev) for t in routing(M, E, k, mode == "skewed", g))
+                fn = lambda: ops.moe_experts(x, ids, w, gate_up, down, nv)  # noqa: E731
+                ms = time_ms(fn, args.repeat)
+                tflops = 6 * H * I * k * V / (ms * 1e-3) / 1e12
+                row = {"shape": shape, "rows": M, "valid": V, "routing": mode, "ms": ms, "tflops": tflops,
+                       "share_of_dense_gemm": tflops / gemm}  # fmt: skip
+                dense_ms = diff = None
+                if M * E <= args.dense_max_rows * 8:
+                    dense = lambda: moe_experts_reference(x, ids, w, gate_up, down, nv)  # noqa: E731
+                    dense_ms = time_ms(dense, max(2, args.repeat // 3))
+                    diff = (fn().float() - dense().float()).abs().max().item()
+                    row.update(dense_ms=dense_ms, max_abs_diff=diff)
+                rows_out.append(row)
+                dm = f"{dense_ms:.2f}" if dense_ms is not None else "-"
+                dd = f"{diff:.3g}" if diff is not None else "-"
+                print(f"{shape:<8}{M:>8}{V:>8}{mode:>9}{ms:>9.3f}{tflops:>9.0f}{100 * tflops / gemm:>6.1f}%{dm:>10}{dd:>9}")
+            del x
+        del gate_up, down
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"device": name, "dense_gemm_tflops": gemm, "rows": rows_out}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
