@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._launch import Launcher
-from .move import _WORD_DTYPES, Layout, interpreting, layout_fits, layout_rows, word_size
+from .move import _WORD_DTYPES, Layout, interpreting, layout_fits, word_size
 
 GATHER, SCATTER, COPY = 0, 1, 2
 MAX_SEGMENTS = 3
@@ -213,9 +213,6 @@ class Segment:
         if self.store_bytes < self.load_bytes:
             raise ValueError("cpgraph kernels: a segment must store at least the bytes it loads")
 
-    def src_rows(self) -> int:
-        return layout_rows(self.src, self.src_at)
-
 
 # (geometry, alignments, row widths) -> (word bytes, word dtype, constexprs); few distinct entries per model
 _GEOMETRY: dict = {}
@@ -273,14 +270,18 @@ def check_rows(segments: list[Segment], index, num_rows: int, mode: int) -> int:
     """
     if mode != COPY and (index is None or index.shape[0] < num_rows):
         raise ValueError(f"cpgraph kernels: the index must have at least {num_rows} entries")
-    bound = 0
+    bound = None
     for k, seg in enumerate(segments):
-        src_rows, dst_rows = seg.src_rows(), seg.dst.shape[0]
-        positional = {GATHER: dst_rows, SCATTER: src_rows}.get(mode, min(src_rows, dst_rows))
+        src_rows, dst_rows = seg.src.shape[0] * seg.src_at.page, seg.dst.shape[0]
+        if mode == GATHER:
+            positional, indexed = dst_rows, src_rows
+        elif mode == SCATTER:
+            positional, indexed = src_rows, dst_rows
+        else:
+            positional, indexed = min(src_rows, dst_rows), 0
         if positional < num_rows:
             raise ValueError(f"cpgraph kernels: segment {k} has {positional} rows for a launch over {num_rows}")
-        indexed = src_rows if mode == GATHER else dst_rows
-        bound = indexed if k == 0 else min(bound, indexed)
+        bound = indexed if bound is None or indexed < bound else bound
     return bound
 
 
