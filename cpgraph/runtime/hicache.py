@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .kv_pool import KVPool, OwnerLaneAllocator
-from .radix import LaneLedger, RadixCache, RadixNode
+from .radix import LaneLedger, RadixCache, RadixNode, check_pages_match_owners, int_array
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +68,32 @@ class DevicePages:
 
     def alloc(self, owners) -> np.ndarray:
         """Pages for ``owners`` (``-1`` for other ranks' pages); raises :class:`LaneDeficit` (nothing allocated)."""
-        short = self.ledger.deficit(owners)
-        if short:
-            raise LaneDeficit(short, "device pool")
-        self.ledger.take(owners)
-        return np.asarray(self.pool.alloc_pages_with_owners(np.asarray(owners, dtype=np.int64)), dtype=np.int64)
+        return _alloc(self.ledger, self.pool, owners, "device pool")
 
     def free(self, pages, owners) -> None:
-        self.ledger.give(owners)
-        self.pool.free(np.asarray(pages, dtype=np.int64))
+        """Return ``pages`` (this rank's ids, ``-1`` elsewhere) with their ``owners``; all or nothing."""
+        _free(self.ledger, self.pool, self.rank, pages, owners, "DevicePages.free")
+
+
+def _alloc(ledger: LaneLedger, allocator, owners, where: str) -> np.ndarray:
+    """Ledger and allocator move together: validate, allocate (may raise), then record in the ledger."""
+    owners = int_array(owners, f"{where}: owners")
+    short = ledger.deficit(owners)  # also range-checks the owners
+    if short:
+        raise LaneDeficit(short, where)
+    pages = np.asarray(allocator.alloc_pages_with_owners(owners), dtype=np.int64)
+    ledger.take(owners)  # cannot fail: the deficit check above passed
+    return pages
+
+
+def _free(ledger: LaneLedger, allocator, rank: int, pages, owners, where: str) -> None:
+    """Validate everything first (ids, owners, their pairing, both ledgers), then update both or neither."""
+    pages = int_array(pages, f"{where}: pages")
+    owners = int_array(owners, f"{where}: owners")
+    check_pages_match_owners(pages, owners, rank, where)
+    counts = ledger.check_give(owners)
+    allocator.free(pages)  # validates the whole list before changing anything
+    ledger.apply_give(counts)
 
 
 def payloads_of(pool: KVPool) -> list[tuple[tuple[str, int], torch.Tensor]]:
@@ -125,15 +142,10 @@ class HostPool:
         return self.buffer.nbytes if self.layout == "page_first" else sum(b.nbytes for b in self.buffers)
 
     def alloc(self, owners) -> np.ndarray:
-        short = self.ledger.deficit(owners)
-        if short:
-            raise LaneDeficit(short, "host pool")
-        self.ledger.take(owners)
-        return np.asarray(self.allocator.alloc_pages_with_owners(np.asarray(owners, dtype=np.int64)), dtype=np.int64)
+        return _alloc(self.ledger, self.allocator, owners, "host pool")
 
     def free(self, pages, owners) -> None:
-        self.ledger.give(owners)
-        self.allocator.free(np.asarray(pages, dtype=np.int64))
+        _free(self.ledger, self.allocator, self.rank, pages, owners, "HostPool.free")
 
 
 def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:

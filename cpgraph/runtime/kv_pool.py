@@ -189,7 +189,11 @@ class OwnerLaneAllocator:
 
     def free(self, pages: Sequence[int]) -> None:
         """Return pages to the lane; ``-1`` entries (other owners' pages) are ignored."""
-        arr = np.asarray(pages, dtype=np.int64).reshape(-1)
+        arr = np.asarray(pages).reshape(-1)
+        if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+            # A float id would be truncated to some other page: refuse, never round.
+            raise ValueError(f"free: page ids of rank {self.rank} must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
         arr = arr[arr != -1]
         bad = arr[(arr < 0) | (arr >= self.num_pages)]
         if bad.size:

@@ -32,6 +32,38 @@ import numpy as np
 _TOKEN = np.dtype("<i4")
 _TB = _TOKEN.itemsize
 
+# Page owners are stored as int8 (one byte per logical page, identical on all
+# ranks), so a tree serves CP groups of at most 128 ranks.
+MAX_CP_SIZE = 128
+
+
+def int_array(values, name: str) -> np.ndarray:
+    """``values`` as a 1-D int64 array; floats, bools and other non-integers are refused, never truncated."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of ints, got shape {arr.shape}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_pages_match_owners(pages: np.ndarray, owners: np.ndarray, rank: int, where: str) -> None:
+    """A rank holds a page exactly where it owns one: ``pages[j] >= 0`` iff ``owners[j] == rank``, else ``-1``.
+
+    The lane ledger counts by owner and the pool by page id; any other pairing
+    would make the two disagree.
+    """
+    if pages.shape != owners.shape:
+        raise ValueError(f"{where}: {pages.shape[0]} page(s) but {owners.shape[0]} owner(s)")
+    mine = owners == rank
+    bad = np.flatnonzero((mine & (pages < 0)) | (~mine & (pages != -1)))
+    if bad.size:
+        j = int(bad[0])
+        raise ValueError(
+            f"{where}: logical page {j} has owner {int(owners[j])} and page id {int(pages[j])} on rank {rank} "
+            "(a rank holds a page id >= 0 exactly where it is the owner, -1 elsewhere)"
+        )
+
 
 class TokenKey:
     """A token sequence; ``key[a:b]`` is an O(1) view over the same backing buffer."""
@@ -136,7 +168,7 @@ class LaneLedger:
         return int(self.capacity.shape[0])
 
     def counts(self, owners) -> np.ndarray:
-        owners = np.asarray(owners, dtype=np.int64)
+        owners = int_array(owners, "LaneLedger: owners")
         if owners.size and (owners.min() < 0 or owners.max() >= self.num_lanes):
             raise ValueError(f"LaneLedger: owner outside [0, {self.num_lanes})")
         return np.bincount(owners, minlength=self.num_lanes)
@@ -155,11 +187,21 @@ class LaneLedger:
             raise RuntimeError("LaneLedger.take: allocation exceeds a lane's capacity (check deficit first)")
         self.used += c
 
-    def give(self, owners) -> None:
+    def check_give(self, owners) -> np.ndarray:
+        """Validate a release of ``owners`` without applying it; returns the per-lane counts for :meth:`apply_give`."""
         c = self.counts(owners)
         if (c > self.used).any():
-            raise RuntimeError("LaneLedger.give: freeing more pages than a lane holds")
-        self.used -= c
+            lane = int(np.argmax(c > self.used))
+            raise RuntimeError(
+                f"LaneLedger.give: freeing {int(c[lane])} page(s) of lane {lane}, which holds {int(self.used[lane])}"
+            )
+        return c
+
+    def apply_give(self, counts: np.ndarray) -> None:
+        self.used -= counts
+
+    def give(self, owners) -> None:
+        self.apply_give(self.check_give(owners))
 
 
 class RadixNode:
@@ -270,8 +312,15 @@ class RadixCache:
     """
 
     def __init__(self, page_size: int, rank: int = 0, cp_size: int = 1):
+        for name, v in (("page_size", page_size), ("rank", rank), ("cp_size", cp_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"RadixCache: {name} must be an int, got {v!r}")
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"RadixCache: page_size must be a power of two, got {page_size}")
+        if not 1 <= cp_size <= MAX_CP_SIZE:
+            raise ValueError(f"RadixCache: cp_size must be in [1, {MAX_CP_SIZE}] (page owners are int8), got {cp_size}")
+        if not 0 <= rank < cp_size:
+            raise ValueError(f"RadixCache: rank must be in [0, {cp_size}), got {rank}")
         self.page_size, self.rank, self.cp_size = int(page_size), int(rank), int(cp_size)
         self._page_bytes = self.page_size * _TB
         self._clock = 0
@@ -374,14 +423,38 @@ class RadixCache:
         the new owners.
         """
         ps = self.page_size
+        if not isinstance(key, TokenKey):
+            raise ValueError(f"RadixCache.insert: key must be a TokenKey, got {type(key).__name__}")
         if len(key) % ps:
             raise ValueError(f"RadixCache.insert: key of {len(key)} tokens is not a page multiple ({ps})")
         n = len(key) // ps
-        pages = np.asarray(device_pages, dtype=np.int64)
-        owners = np.asarray(page_owners).astype(np.int8)
-        if pages.shape != (n,) or owners.shape != (n,):
-            raise ValueError(f"RadixCache.insert: need {n} pages and owners, got {pages.shape} and {owners.shape}")
+        pages = int_array(device_pages, "RadixCache.insert: device_pages")
+        owner_ids = int_array(page_owners, "RadixCache.insert: page_owners")
+        if pages.shape != (n,) or owner_ids.shape != (n,):
+            raise ValueError(f"RadixCache.insert: need {n} pages and owners, got {pages.shape} and {owner_ids.shape}")
+        if n and (owner_ids.min() < 0 or owner_ids.max() >= self.cp_size):
+            j = int(np.flatnonzero((owner_ids < 0) | (owner_ids >= self.cp_size))[0])
+            raise ValueError(
+                f"RadixCache.insert: page_owners[{j}] = {int(owner_ids[j])} is not a rank of the CP group "
+                f"[0, {self.cp_size})"
+            )
+        check_pages_match_owners(pages, owner_ids, self.rank, "RadixCache.insert")
+        if isinstance(matched_pages, bool) or not isinstance(matched_pages, (int, np.integer)) \
+                or not 0 <= matched_pages <= n:
+            raise ValueError(f"RadixCache.insert: matched_pages must be an int in [0, {n}], got {matched_pages!r}")
+        matched_pages = int(matched_pages)
+        owners = owner_ids.astype(np.int8)  # exact: owners < cp_size <= 128
         path, done = self._walk(key, None)
+        resident = 0  # leading pages of the path already in L1: the only pages a caller can have matched
+        for node in path:
+            if node.device_pages is None:
+                break
+            resident += node.num_pages
+        if matched_pages > resident:
+            raise ValueError(
+                f"RadixCache.insert: matched_pages={matched_pages} but only {resident} leading page(s) of the key "
+                "are cached in L1"
+            )
         adopted = np.zeros(n, dtype=bool)
         adopted[:matched_pages] = True
         result = InsertResult(adopted)
@@ -472,9 +545,9 @@ class RadixCache:
         freed = 0
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
+            keep = release(node)  # first: if it raises, the node still holds its pages and the counts agree
             freed += gain(node)
             self.device_pages_total -= node.num_pages
-            keep = release(node)
             node.device_pages = None
             parent = node.parent
             if not keep:

@@ -140,6 +140,43 @@ def test_incomplete_payloads_not_loadable():
         rig.hc.load_back([leaf])
 
 
+@pytest.mark.parametrize("side", ["device", "host"])
+def test_free_validates_before_touching_the_ledger(side):
+    rig = Rig(0, 2)
+    pool, count = (rig.dev, lambda: rig.pool.num_free) if side == "device" else (rig.host, lambda: rig.host.allocator.num_free)
+    owners = np.array([0, 1, 0])
+    pages = pool.alloc(owners)
+    used, free = pool.ledger.used.copy(), count()
+    bad_calls = [
+        ([pages[0], -1, pages[0]], owners, "double free"),  # the allocator refuses: the ledger must not move
+        ([pages[0], -1, 99], owners, "unknown page 99"),
+        (pages.astype(np.float64), owners, "pages must hold integers, got dtype float64"),
+        (pages, owners.astype(np.float64), "owners must hold integers, got dtype float64"),
+        (pages, [0, 0, 0], "logical page 1 has owner 0 and page id -1 on rank 0"),
+        (pages[:2], owners, "2 page\\(s\\) but 3 owner\\(s\\)"),
+        (pages, [0, 2, 0], "owner outside \\[0, 2\\)"),
+    ]
+    for bad_pages, bad_owners, message in bad_calls:
+        with pytest.raises(ValueError, match=message):
+            pool.free(bad_pages, bad_owners)
+        assert pool.ledger.used.tolist() == used.tolist() and count() == free, message
+    pool.free(pages, owners)
+    assert pool.ledger.used.tolist() == [0, 0] and count() == free + 2
+    with pytest.raises(RuntimeError, match="freeing 2 page\\(s\\) of lane 0, which holds 0"):
+        pool.free(pages, owners)  # a second free of the same pages
+    assert pool.ledger.used.tolist() == [0, 0] and count() == free + 2
+
+
+@pytest.mark.parametrize("side", ["device", "host"])
+def test_alloc_refuses_float_owners_without_side_effects(side):
+    rig = Rig(0, 2)
+    pool = rig.dev if side == "device" else rig.host
+    with pytest.raises(ValueError, match="owners must hold integers, got dtype float64"):
+        pool.alloc(np.array([0.0, 1.0]))
+    assert pool.ledger.used.tolist() == [0, 0]
+    assert pool.alloc([0, 1]).tolist() == [0, -1]
+
+
 def test_bad_arguments():
     pool = _pool(0)
     with pytest.raises(ValueError, match="layout"):

@@ -100,6 +100,17 @@ def test_free_rejects_bad_pages_atomically():
         alloc.free(pages[:1])
 
 
+def test_free_refuses_non_integer_page_ids():
+    alloc = OwnerLaneAllocator(4, rank=0)
+    pages = alloc.alloc_pages_with_owners([0, 0])
+    for bad in ([1.0], [float(pages[0]) + 0.5], np.array(pages, dtype=np.float32), [True]):
+        with pytest.raises(ValueError, match=r"free: page ids of rank 0 must be integers, got dtype (float|bool)"):
+            alloc.free(bad)
+    assert alloc.num_free == 2  # a truncated 1.0 / 0.5 would have freed page 1 / 0
+    alloc.free(np.array(pages, dtype=np.int32))
+    assert alloc.num_free == 4
+
+
 def test_bad_owners():
     alloc = OwnerLaneAllocator(4, rank=0)
     with pytest.raises(ValueError, match="owners"):

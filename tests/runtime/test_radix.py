@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -107,7 +109,7 @@ def _chain(tree, tokens, parts, rank=0):
     for k in range(1, parts + 1):
         j = n * k // parts
         m = (n * (k - 1)) // parts
-        tree.insert(TokenKey(tokens[: j * PS]), np.arange(j) + 100 * rank, np.zeros(j), matched_pages=m)
+        tree.insert(TokenKey(tokens[: j * PS]), np.arange(j) + 100 * rank, np.zeros(j, dtype=np.int64), matched_pages=m)
 
 
 def test_lock_and_eviction_accounting():
@@ -115,7 +117,7 @@ def test_lock_and_eviction_accounting():
     a = list(range(16))  # 4 pages
     b = list(range(8)) + [99] * 8  # shares 2 pages with a
     _chain(tree, a, 1)
-    tree.insert(TokenKey(b), np.array([0, 1, 7, 8]), np.zeros(4), matched_pages=2)
+    tree.insert(TokenKey(b), np.array([0, 1, 7, 8]), np.zeros(4, dtype=np.int64), matched_pages=2)
     assert tree.device_pages_total == 6 and tree.locked_pages == 0 and tree.evictable_pages == 6
     m = tree.match_prefix(TokenKey(b))
     tree.inc_lock(m.nodes[-1])  # locks b's leaf and the shared head
@@ -136,7 +138,7 @@ def test_lru_order_and_lane_eviction():
     keys = [[k] * 8 for k in range(3)]  # three 2-page leaves under the root
     lanes = [[0, 0], [1, 1], [0, 1]]
     for k, lane in zip(keys, lanes):
-        tree.insert(TokenKey(k), np.arange(2), np.array(lane))
+        tree.insert(TokenKey(k), np.where(np.array(lane) == 0, np.arange(2), -1), np.array(lane))  # rank 0's ids
     tree.match_prefix(TokenKey(keys[0]))  # touch leaf 0: now leaf 1 is the oldest
     order = []
     tree.evict(2, lambda n: order.append(n.key[:4]) or False)
@@ -178,3 +180,76 @@ def test_lane_ledger():
         led.give([0])
     with pytest.raises(ValueError, match="owner outside"):
         led.counts([2])
+
+
+def test_owners_are_validated_against_the_cp_size():
+    tree = RadixCache(PS, rank=0, cp_size=2)
+    key = TokenKey(list(range(8)))
+    for owners, where in (([0, 256], "page_owners[1] = 256"), ([2, 0], "page_owners[0] = 2"), ([-1, 0], "page_owners[0] = -1")):
+        with pytest.raises(ValueError, match=rf"RadixCache.insert: {re.escape(where)}.*not a rank of the CP group \[0, 2\)"):
+            tree.insert(key, [-1, 5], owners)
+    with pytest.raises(ValueError, match="page_owners must hold integers, got dtype float64"):
+        tree.insert(key, [5, -1], [0.0, 1.0])
+    assert not list(tree.nodes()) and tree.device_pages_total == 0  # nothing was stored (256 used to wrap to 0)
+    tree.insert(key, [5, -1], [0, 1])
+    assert tree.match_prefix(key).page_owners.tolist() == [0, 1]
+    for bad, message in ((129, "cp_size must be in \\[1, 128\\] \\(page owners are int8\\), got 129"),
+                         (0, "cp_size must be in")):
+        with pytest.raises(ValueError, match=message):
+            RadixCache(PS, cp_size=bad)
+    with pytest.raises(ValueError, match="rank must be in \\[0, 2\\), got 2"):
+        RadixCache(PS, rank=2, cp_size=2)
+    RadixCache(PS, rank=127, cp_size=128)
+
+
+def test_page_ids_must_be_integers_and_match_the_owners():
+    tree = RadixCache(PS, rank=1, cp_size=2)
+    key = TokenKey(list(range(8)))
+    with pytest.raises(ValueError, match="device_pages must hold integers, got dtype float64"):
+        tree.insert(key, [-1, 3.7], [0, 1])  # used to be truncated to page 3
+    with pytest.raises(ValueError, match="logical page 1 has owner 1 and page id -1 on rank 1"):
+        tree.insert(key, [-1, -1], [0, 1])
+    with pytest.raises(ValueError, match="logical page 0 has owner 0 and page id 4 on rank 1"):
+        tree.insert(key, [4, 3], [0, 1])
+    assert not list(tree.nodes())
+
+
+@pytest.mark.parametrize("matched", [-1, 3, 1.0, True, None])
+def test_matched_pages_out_of_range_is_refused(matched):
+    tree = RadixCache(PS)
+    key = TokenKey(list(range(8)))
+    with pytest.raises(ValueError, match=r"matched_pages must be an int in \[0, 2\]"):
+        tree.insert(key, [0, 1], [0, 0], matched_pages=matched)
+    assert not list(tree.nodes()) and tree.device_pages_total == 0
+
+
+def test_matched_pages_beyond_the_cached_prefix_is_refused():
+    tree = RadixCache(PS)
+    tree.insert(TokenKey(list(range(4))), [0], [0])
+    with pytest.raises(ValueError, match="matched_pages=2 but only 1 leading page"):
+        tree.insert(TokenKey(list(range(8))), [0, 1], [0, 0], matched_pages=2)
+    assert tree.device_pages_total == 1
+    res = tree.insert(TokenKey(list(range(8))), [0, 1], [0, 0], matched_pages=1)
+    assert res.adopted.tolist() == [True, True] and tree.device_pages_total == 2
+
+
+def test_matched_pages_minus_one_used_to_leak_a_page():
+    """-1 used to mark every page but the last as adopted; the caller then freed nothing and leaked."""
+    tree = RadixCache(PS)
+    with pytest.raises(ValueError):
+        tree.insert(TokenKey(list(range(12))), [0, 1, 2], [0, 0, 0], matched_pages=-1)
+
+
+def test_failed_release_leaves_eviction_counts_unchanged():
+    tree = RadixCache(PS)
+    tree.insert(TokenKey(list(range(8))), [0, 1], [0, 0])
+    (leaf,) = tree.nodes()
+
+    def failing_release(node):
+        raise RuntimeError("backup failed")
+
+    with pytest.raises(RuntimeError, match="backup failed"):
+        tree.evict(2, failing_release)
+    assert tree.device_pages_total == 2 and tree.evictable_pages == 2
+    assert leaf.device_pages.tolist() == [0, 1]
+    assert tree.evict(2, lambda n: False) == 2 and tree.device_pages_total == 0
