@@ -216,21 +216,22 @@ def _read_json(path: Path):
 
 
 def _inside(root: Path, name, where: str) -> Path:
-    """``root / name``, refused unless it is a relative path that resolves (symlinks too) inside ``root``.
+    """``root / name``, refused unless ``name`` is a relative path that stays inside ``root``.
 
-    Why: an index (or a planted symlink) must not make the loader read files
-    outside the checkpoint the caller pointed at.
+    Why: an index is data, and it must not make the loader read files outside
+    the checkpoint the caller pointed at (``/etc/...``, ``../other``).  The
+    check is lexical: symlinks that live in the checkpoint directory are the
+    directory owner's choice and are followed, which is what a Hugging Face hub
+    cache snapshot (files linking to ``../../blobs``) needs.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where} names a shard that is not a file name: {name!r}")
     if Path(name).is_absolute():
         raise ValueError(f"{where} names shard {name!r} by an absolute path; shards must lie inside {root}")
-    path = root / name
-    try:
-        path.resolve().relative_to(root.resolve())
-    except ValueError:
-        raise ValueError(f"{where} names shard {name!r}, which resolves outside the checkpoint directory {root}") from None
-    return path
+    parts = Path(os.path.normpath(name)).parts
+    if not parts or parts[0] == "..":
+        raise ValueError(f"{where} names shard {name!r}, which resolves outside the checkpoint directory {root}")
+    return root / name
 
 
 def _safetensors_files(root: Path) -> list[Path]:
