@@ -213,3 +213,14 @@ def test_cp_timing_line_separates_computed_and_cached_tokens():
     assert "283" not in line
     res.cache, res.tokens_computed, res.tokens_cached = None, 283, 0
     assert "283 tokens computed in 2.000 s" in cp_timing_line(2, "cpu", "inductor", res)
+
+
+def test_check_request_as_a_library_call():
+    from cpgraph.runtime.inputs import InputError, check_request
+
+    req = check_request([(1, 2, 3), torch.tensor([4, 5])], [0, 0], vocab=10, page_size=16, cp=2)
+    assert req.prompts == [[1, 2, 3], [4, 5]] and req.prefix_lens == [0, 0]
+    for prompts, message in (([5], "prompt 0 must be a list of token ids"), ([[True]], "token True is not an id"),
+                             ([[]], "prompt 0 is empty"), ([], "non-empty list")):
+        with pytest.raises(InputError, match=message):
+            check_request(prompts, None, vocab=10, page_size=16)

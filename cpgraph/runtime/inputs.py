@@ -18,7 +18,6 @@ import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -76,7 +75,7 @@ def check_prompts(token_lists, prefix_lens, page_size: int, vocab: int) -> tuple
     for i, t in enumerate(token_lists):
         if isinstance(t, torch.Tensor):
             t = t.tolist()  # sync-ok (host input)
-        if not isinstance(t, (list, tuple)):
+        if isinstance(t, (str, bytes, dict)) or not hasattr(t, "__iter__"):
             raise InputError(f"prompt {i} must be a list of token ids, got {type(t).__name__}")
         t = list(t)
         if not t:
