@@ -118,3 +118,36 @@ def test_moe_module_counts_real_rows_from_the_windows(provider):
     # rows past the count keep only the shared experts' term
     shared = moe.shared_experts(x[5:])
     assert torch.allclose(bounded[5:], shared, atol=1e-6)
+
+
+# ------------------------------------------------------- bf16 dtype discipline
+def test_bf16_moe_keeps_fp32_only_in_the_router():
+    """Router scores/weights fp32 (the model defines them so); expert and block outputs stay bf16."""
+    from cpgraph.models import tiny_model
+
+    model = tiny_model("tiny-deepseek-v32", dtype=torch.bfloat16)
+    moe = next(layer.mlp for layer in model.model.layers if layer.is_moe)
+    assert moe.gate.weight.dtype == torch.float32 and moe.experts.gate_up_proj.dtype == torch.bfloat16
+    x = torch.randn(6, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, w = moe.gate(x)
+        out = moe(x)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64
+    assert out.dtype == torch.bfloat16
+
+
+def test_rmsnorm_bf16_rounds_once():
+    """bf16 RMSNorm = the fp32 formula rounded once (statistics and weight product in fp32)."""
+    from cpgraph.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(256).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_((1 + 0.3 * torch.randn(256, generator=g)).bfloat16())
+    x = (3 * torch.randn(64, 256, generator=g)).bfloat16()
+    xf = x.float()
+    expect = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()).bfloat16()
+    with torch.no_grad():
+        got = norm(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expect)
