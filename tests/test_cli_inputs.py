@@ -167,6 +167,14 @@ def test_bad_config_json(capsys, tmp_path):
     assert "unsupported model_type 'llama'" in user_error(capsys, ["run", "--model", str(root)])
 
 
+def test_cp_run_parses_the_whole_config_before_spawning(capsys, no_spawn, tmp_path):
+    cfg = bundled_config_dict("tiny-glm5")
+    cfg["hidden_act"] = "gelu"  # the ranks would refuse it after loading
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    line = user_error(capsys, ["run", "--model", str(tmp_path), "--cp", "2"])
+    assert "config.json" in line and "hidden_act 'gelu'" in line
+
+
 # ----------------------------------------------------------------------------- not user errors
 
 

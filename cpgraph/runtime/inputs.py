@@ -187,22 +187,26 @@ def check_mooncake(module: str | None = None) -> None:
 
 
 def model_vocab(model: str) -> int:
-    """Vocabulary size of a bundled model or a checkpoint directory, read from its config only."""
+    """Vocabulary size of a bundled model or a checkpoint directory, from its config alone.
+
+    The whole config is parsed (:meth:`DSAConfig.from_hf_dict`), so a config
+    the ranks would refuse is refused here, without reading any weights.
+    """
     import json
     from pathlib import Path
 
-    from cpgraph.models.config import bundled_config_dict, bundled_names
+    from cpgraph.models.config import DSAConfig, bundled_config_dict, bundled_names
 
     root = Path(model)
     if root.is_dir():
-        with user_input(str(root / "config.json")):
+        where = str(root / "config.json")
+        with user_input(where):
             with open(root / "config.json") as f:
                 d = json.load(f)
     elif str(model) in bundled_names():
-        d = bundled_config_dict(str(model))
+        where, d = f"bundled model {model!r}", bundled_config_dict(str(model))
     else:
         raise InputError(f"{model!r} is neither a local checkpoint directory nor a bundled model "
-                         f"({', '.join(bundled_names())})")
-    if not isinstance(d, dict) or isinstance(d.get("vocab_size"), bool) or not isinstance(d.get("vocab_size"), int):
-        raise InputError(f"{root / 'config.json'} has no integer vocab_size")
-    return d["vocab_size"]
+                         f"({', '.join(bundled_names())}); cpgraph never downloads weights")
+    with user_input(where):
+        return DSAConfig.from_hf_dict(d).vocab_size
