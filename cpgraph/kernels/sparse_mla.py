@@ -104,24 +104,32 @@ def _valid_end(idx_row, topk, n_keys, SCAN: tl.constexpr, INTERPRET: tl.constexp
 
 
 @triton.jit
-def _fp8_key_tile(rec8, rec16, rec32, t, ok, BLOCK_N: tl.constexpr, DPE: tl.constexpr):
-    """Dequantised ``(latent [BLOCK_N, 512], k_pe [BLOCK_N, DPE])`` in fp32 from 656-byte records.
+def _fp8_key_tile(rec8, rec16, rec32, t, ok, BLOCK_N: tl.constexpr, DPE: tl.constexpr, DTYPE: tl.constexpr,
+                  EXACT_BITS: tl.constexpr):  # fmt: skip
+    """Dequantised ``(latent [BLOCK_N, 512], k_pe [BLOCK_N, DPE])`` from 656-byte records, in ``DTYPE``.
 
     The latent is read as ``[BLOCK_N, 4, 128]`` so each 128-value block meets
-    its own scale by broadcasting; merging the last two axes is free.
+    its own scale by broadcasting; merging the last two axes is free.  Every
+    step is exact for bf16 (e4m3 values and power-of-two scales fit): on the
+    GPU the hardware fp8 conversion; with ``EXACT_BITS`` (the interpreter,
+    which has no fp8 numbers) the integer decode of ``_bits`` and fp32.
     """
     blk = tl.arange(0, 4)
     col = tl.arange(0, 128)
     codes = tl.load(
         rec8 + t[:, None, None] * 656 + blk[None, :, None] * 128 + col[None, None, :], mask=ok[:, None, None], other=0
-    ).to(tl.int32)
+    )
     scale = tl.load(rec32 + t[:, None] * 164 + 128 + blk[None, :], mask=ok[:, None], other=0)
-    lat = e4m3_to_f32_fast(codes) * scale.to(tl.float32, bitcast=True)[:, :, None]
-    lat = tl.reshape(lat, (BLOCK_N, 512))
+    scale = scale.to(tl.float32, bitcast=True)[:, :, None]
     pc = tl.arange(0, DPE)
     pe_bits = tl.load(rec16 + t[:, None] * 328 + 264 + pc[None, :], mask=ok[:, None], other=0)
-    pe = (pe_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return lat, pe
+    if EXACT_BITS:
+        lat = e4m3_to_f32_fast(codes.to(tl.int32)) * scale
+        pe = (pe_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        lat = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(DTYPE)
+        pe = pe_bits.to(tl.bfloat16, bitcast=True).to(DTYPE)
+    return tl.reshape(lat, (BLOCK_N, 512)), pe
 
 
 @triton.jit
@@ -129,7 +137,7 @@ def _attend_tile(
     q_lat, q_pe, kv, rec16, rec32, idx_row, start, end, n_keys, kv_row_stride, scale_log2, m_i, l_i, acc,
     DV: tl.constexpr, DPE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
-    """One tile of ``BLOCK_N`` listed keys: gather, scores, online-softmax update of ``(m_i, l_i, acc)``."""
+    """One tile of ``BLOCK_N`` listed ids: gather, scores, online-softmax update of ``(m_i, l_i, acc)``."""
     dv = tl.arange(0, DV)
     dpe = tl.arange(0, DPE)
     offs = start + tl.arange(0, BLOCK_N)
@@ -137,10 +145,7 @@ def _attend_tile(
     ok = (t >= 0) & (t < n_keys)
     t = tl.where(ok, t, 0)
     if KV_FP8:
-        k_lat, k_pe = _fp8_key_tile(kv, rec16, rec32, t, ok, BLOCK_N, DPE)
-        if not DOT_F32:
-            k_lat = k_lat.to(q_lat.dtype)
-            k_pe = k_pe.to(q_lat.dtype)
+        k_lat, k_pe = _fp8_key_tile(kv, rec16, rec32, t, ok, BLOCK_N, DPE, q_lat.dtype, DOT_F32)
     else:
         k_ptrs = kv + t[:, None] * kv_row_stride
         k_lat = tl.load(k_ptrs + dv[None, :], mask=ok[:, None], other=0)
@@ -240,6 +245,13 @@ def _head_block(num_heads: int) -> int:
     return HEAD_BLOCK if num_heads >= HEAD_BLOCK else max(16, triton.next_power_of_2(num_heads))
 
 
+def _default_tile(kv_fp8: bool) -> tuple[int, int, int, int]:
+    """(head block, BLOCK_N, warps, stages) used on CUDA unless a config overrides it."""
+    if kv_fp8:
+        return HEAD_BLOCK, FP8_BLOCK_N, FP8_NUM_WARPS, FP8_NUM_STAGES
+    return HEAD_BLOCK, BLOCK_N, NUM_WARPS, NUM_STAGES
+
+
 def _rows_last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
@@ -252,12 +264,8 @@ def _launch(q, keys, rec16, rec32, idx, sm_scale: float, d_v: int, dpe: int, kv_
     if m == 0 or h == 0:
         return out, lse
     interp = interpreting()
-    cfg = {
-        "head_block": _head_block(h),
-        "block_n": FP8_BLOCK_N if kv_fp8 else BLOCK_N,
-        "num_warps": FP8_NUM_WARPS if kv_fp8 else NUM_WARPS,
-        "num_stages": FP8_NUM_STAGES if kv_fp8 else NUM_STAGES,
-    }
+    hb, block_n, warps, stages = _default_tile(kv_fp8)
+    cfg = {"head_block": min(hb, _head_block(h)), "block_n": block_n, "num_warps": warps, "num_stages": stages}
     if interp:
         cfg.update(block_n=32, num_warps=4, num_stages=1)
     if config:

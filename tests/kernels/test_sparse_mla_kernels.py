@@ -90,6 +90,20 @@ def test_matches_reference(seed, M, H, D, d_v, N, topk):
     assert same_bits(out64, out) and same_bits(lse64, lse)
 
 
+@pytest.mark.parametrize("order", ["rising", "falling", "random"])
+def test_wide_score_range_rescaling(order):
+    """Scores spanning ~100 (log2 units) across tiles: the running max moves many times."""
+    M, H, D, N = 3, 16, 48, 128
+    q, kv, _ = case(14, M, H, D, N, 8)
+    kv = (kv.float() * torch.linspace(0.1, 6.0, N, device=DEV)[:, None]).to(kv.dtype)
+    ids = torch.arange(N, device=DEV)
+    ids = {"rising": ids, "falling": ids.flip(0), "random": torch.randperm(N, device=DEV, generator=_gen(15))}[order]
+    idx = ids.to(torch.int32).expand(M, N).contiguous()
+    idx[1, ::5] = -1
+    out, lse = ksparse.sparse_mla(q, kv, idx, 0.5, 32)
+    check_against_reference(out, lse, q, kv, idx, 0.5, 32)
+
+
 def test_fp16_operands():
     q, kv, idx = case(4, 3, 16, 48, 30, 40, dtype=torch.float16)
     out, lse = ksparse.sparse_mla(q, kv, idx, 0.2, 32)
