@@ -1,0 +1,324 @@
+"""Triton indexer kernels (cpgraph/kernels/indexer.py) against the torch references.
+
+Small shapes run on CPU tensors under ``TRITON_INTERPRET=1`` (CI) or on CUDA;
+the production-shape tests at the bottom are marked ``gpu`` and need CUDA.
+
+What must hold exactly: the selection under the tie rule (same ids, same
+order, RAGGED and PAGED), whatever the row chunking, key tiling or key
+splits; dummy windows give ``-1``; a row's ids depend only on its own
+inputs.  Scores are fp32 sums in a different order than the reference, so
+they match to rounding; the top-k built on them is compared exactly where
+scores are exact (small-integer inputs), and elsewhere as sets whose
+disagreements must be ties within fp32 rounding (checked on the scores).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import cpgraph.ops.indexer as ix
+from cpgraph.kernels import indexer as ki
+
+ops = torch.ops.cpgraph
+
+
+def _device():
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else None
+
+
+DEV = _device()
+if DEV is None:
+    pytest.skip("Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
+
+NAN, INF = float("nan"), float("inf")
+# Hopper's FP8 tensor cores add each group of 32 products at reduced precision (the kernel then
+# accumulates the groups in fp32, as the production FP8 kernels do); the reference sums exactly.
+FP8_TOL = 2e-3
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def windows(g, M, N, empty_every=4):
+    ks = torch.randint(0, N + 1, (M,), generator=g)
+    ke = torch.minimum(ks + torch.randint(0, N + 1, (M,), generator=g), torch.full((M,), N))
+    ks[::empty_every] = ke[::empty_every]  # dummy rows
+    return ks.to(DEV), ke.to(DEV)
+
+
+def tied_scores(g, M, N):
+    pool = torch.tensor([0.0, -0.0, 0.0, 0.0, 1.0, -1.0, 0.25, 3.0, INF, -INF, NAN])
+    return pool[torch.randint(0, len(pool), (M, N), generator=g)].to(DEV)
+
+
+def integer_inputs(seed, M, H, D, N, dtype=torch.bfloat16):
+    """Small-integer q/k/w with duplicated keys: every score is exact in fp32, ties are many."""
+    g = _gen(seed)
+    q = torch.randint(-2, 3, (M, H, D), generator=g).float()
+    k = torch.randint(-2, 3, (N, D), generator=g).float()
+    dup = torch.rand(N, generator=g) < 0.4
+    k = torch.where(dup[:, None], k[torch.randint(0, N, (N,), generator=g)], k)
+    w = torch.randint(-2, 3, (M, H), generator=g).float()
+    return q.to(dtype).to(DEV), k.to(dtype).to(DEV), w.to(DEV)
+
+
+# ---------------------------------------------------------------- selection
+@pytest.mark.parametrize("topk", [1, 5, 16, 40])
+def test_select_equals_reference_on_ties(topk):
+    g = _gen(topk)
+    M, N = 10, 37
+    logits = tied_scores(g, M, N)
+    ks, ke = windows(g, M, N)
+    slots = (torch.randperm(N + 5, generator=g)[:N] * 7).to(DEV)
+    assert torch.equal(ki.topk_ragged(logits, ks, ke, topk), ix.topk_ragged_reference(logits, ks, ke, topk))
+    assert torch.equal(ki.topk_paged(logits, ks, ke, topk, slots), ix.topk_paged_reference(logits, ks, ke, topk, slots))
+
+
+@pytest.mark.parametrize("block,compact", [(16, True), (64, True), (64, False)])
+def test_select_multi_block_radix(block, compact):
+    """Windows many blocks long: every histogram pass and the ordered tie collection cross blocks."""
+    g = _gen(block)
+    M, N, topk = 6, 300, 24
+    logits = torch.randn(M, N, generator=g)
+    logits[1] = logits[1].round()  # heavy ties
+    logits[2, 100:] = 0.5  # the boundary value repeated over many blocks
+    logits[3] = -logits[3].abs()  # negatives only
+    logits[4, ::3] = -0.0
+    logits = logits.to(DEV)
+    ks = torch.tensor([0, 5, 0, 17, 0, 250], device=DEV)
+    ke = torch.tensor([300, 290, 300, 299, 300, 300], device=DEV)
+    out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, compact=compact)
+    assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
+    slots = torch.randperm(N, generator=g).to(DEV) + 1000
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, compact=compact)
+    assert torch.equal(out, ix.topk_paged_reference(logits, ks, ke, topk, slots))
+
+
+def test_select_clamps_bad_windows():
+    """Out-of-range ks/ke never address memory outside the row (clamped into [0, N])."""
+    logits = torch.arange(8, dtype=torch.float32, device=DEV).view(1, 8).repeat(3, 1)
+    ks = torch.tensor([-5, 6, 3], device=DEV)
+    ke = torch.tensor([2, 100, 1], device=DEV)
+    got = ki.topk_ragged(logits, ks, ke, 3)
+    assert got.tolist() == [[1, 0, -1], [7, 6, -1], [-1, -1, -1]]
+
+
+# ------------------------------------------------------------------ scoring
+@pytest.mark.parametrize("H,D,dtype", [(1, 8, torch.float32), (3, 16, torch.bfloat16), (64, 128, torch.bfloat16),
+                                       (5, 24, torch.float16)])
+def test_scoring_matches_reference(H, D, dtype):
+    g = _gen(H * 100 + D)
+    M, N = 7, 90
+    q = torch.randn(M, H, D, generator=g).to(dtype).to(DEV)
+    k = torch.randn(N, D, generator=g).to(dtype).to(DEV)
+    w = torch.randn(M, H, generator=g).to(DEV)
+    ks, ke = windows(g, M, N, empty_every=5)
+    want = ix.indexer_logits_reference(q, k, w, ks, ke)
+    got = ki.indexer_logits(q, k, w, ks, ke)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5 * float(want[fin].abs().max()))
+
+
+@pytest.mark.parametrize("rows_per_block,key_tile,splits,keys_m", [(1, 16, 1, False), (4, 32, 3, False),
+                                                                    (8, 64, 2, True), (1, 32, 1, True)])
+def test_scoring_tiles_and_key_splits_do_not_change_scores(rows_per_block, key_tile, splits, keys_m):
+    q, k, w = integer_inputs(5, 9, 4, 32, 150)
+    ks, ke = windows(_gen(6), 9, 150, empty_every=4)
+    out = torch.full((9, 150), -INF, device=DEV)
+    ki.score_rows(q, k, w, ks, ke, out, 0, 9, rows_per_block=rows_per_block, key_tile=key_tile, splits=splits,
+                  keys_m=keys_m)
+    assert torch.equal(out, ix.indexer_logits_reference(q, k, w, ks, ke))  # exact: integer scores
+
+
+def test_scoring_fp8_matches_reference():
+    g = _gen(8)
+    M, H, D, N = 5, 4, 64, 70
+    q_bytes = torch.randint(0, 256, (M, H, D), generator=g, dtype=torch.uint8)
+    k_bytes = torch.randint(0, 256, (N, D), generator=g, dtype=torch.uint8)
+    q_bytes[(q_bytes & 0x7F) == 0x7F] = 0  # no NaN codes
+    k_bytes[(k_bytes & 0x7F) == 0x7F] = 0
+    k_scale = torch.exp2(torch.randint(-6, 3, (N,), generator=g).float())
+    w = torch.randn(M, H, generator=g)
+    q_bytes, k_bytes, k_scale, w = (t.to(DEV) for t in (q_bytes, k_bytes, k_scale, w))
+    ks, ke = windows(g, M, N, empty_every=3)
+    want = ix.indexer_logits_fp8_reference(q_bytes, k_bytes, k_scale, w, ks, ke)
+    got = ki.indexer_logits_fp8(q_bytes, k_bytes, k_scale, w, ks, ke)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    tol = FP8_TOL if DEV == "cuda" else 1e-5
+    torch.testing.assert_close(got[fin], want[fin], rtol=tol, atol=tol * float(want[fin].abs().max()))
+
+
+# ------------------------------------------------------------------- fused
+@pytest.mark.parametrize("H", [1, 2, 8])
+def test_indexer_topk_exact_on_integer_ties_any_budget(H):
+    M, D, N, topk = 12, 16, 60, 9
+    q, k, w = integer_inputs(H, M, H, D, N)
+    ks, ke = windows(_gen(H + 1), M, N, empty_every=5)
+    want = ix.indexer_topk_reference(q, k, w, ks, ke, topk, 1 << 30)
+    for budget in (1, 4 * N * 5, 1 << 30):  # 1 row, 5 rows, everything per chunk
+        assert torch.equal(ki.indexer_topk(q, k, w, ks, ke, topk, budget), want), f"budget {budget}"
+
+
+def test_row_result_independent_of_batch_composition():
+    """A row's ids depend on its own q, w and window only: same rows in other batches, other positions."""
+    M, H, D, N, topk = 12, 4, 32, 80, 10
+    g = _gen(21)
+    q = torch.randn(M, H, D, generator=g).bfloat16().to(DEV)
+    k = torch.randn(N, D, generator=g).bfloat16().to(DEV)
+    w = torch.randn(M, H, generator=g).to(DEV)
+    ks, ke = windows(g, M, N, empty_every=6)
+    base = ki.indexer_topk(q, k, w, ks, ke, topk, 1 << 30)
+    perm = torch.randperm(M, generator=g).to(DEV)
+    shuffled = ki.indexer_topk(q[perm], k, w[perm], ks[perm], ke[perm], topk, 1 << 30)
+    assert torch.equal(shuffled, base[perm])
+    sub = perm[:5]
+    alone = ki.indexer_topk(q[sub], k, w[sub], ks[sub], ke[sub], topk, 4 * N * 2)
+    assert torch.equal(alone, base[sub])
+
+
+def test_providers_through_the_ops():
+    """The custom ops dispatch to the Triton providers when registered (and back when not)."""
+    from cpgraph.ops.providers import active_provider, register_provider, unregister_provider
+
+    table = ki.providers()
+    for op, fn in table.items():
+        register_provider(op, DEV, "triton", fn)
+    try:
+        assert all(active_provider(op, DEV) == "triton" for op in table)
+        q, k, w = integer_inputs(3, 6, 2, 16, 30)
+        ks, ke = windows(_gen(4), 6, 30)
+        got = ops.indexer_topk(q, k, w, ks, ke, 5, 4 * 30 * 2)
+        assert torch.equal(got, ix.indexer_topk_reference(q, k, w, ks, ke, 5, 1 << 30))
+        logits = ops.indexer_logits(q, k, w, ks, ke)
+        assert torch.equal(ops.topk_ragged(logits, ks, ke, 5), got)
+    finally:
+        for op in table:
+            unregister_provider(op, DEV)
+
+
+# ------------------------------------------------------- production (GPU)
+def _assert_topk_agrees(got, want, scores, got_scores, ks, ke, topk):
+    """Same ids as the reference unless scores tie within the two sides' rounding; checked on the scores.
+
+    A key can only change sides when its score and the k-th score move past
+    each other by rounding, so every key in one set but not the other must
+    lie within twice the row's largest score difference (ours vs the
+    reference's) of the reference's k-th score.
+    """
+    diff_rows = (got != want).any(dim=1).nonzero().flatten().tolist()  # sync-ok (test)
+    for s in diff_rows:
+        a = {int(t) for t in got[s].tolist() if t >= 0}
+        b = {int(t) for t in want[s].tolist() if t >= 0}
+        row = scores[s]
+        fin = torch.isfinite(row)
+        err = float((got_scores[s][fin] - row[fin]).abs().max())
+        kth = float(row[want[s][min(topk, int(ke[s] - ks[s])) - 1]])
+        for t in a ^ b:
+            assert abs(float(row[t]) - kth) <= 2 * err, f"row {s}: key {t} score {float(row[t])} vs k-th {kth}"
+    return len(diff_rows)
+
+
+def _prod_batch(lens, prefix, H=64, D=128, seed=0):
+    """Causal windows of several requests over one ragged full view (cached prefix included)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    starts, ks, ke = 0, [], []
+    for n, p in zip(lens, prefix):
+        pos = torch.arange(p, p + n, device="cuda")
+        ks.append(torch.full((n,), starts, device="cuda"))
+        ke.append(starts + pos + 1)
+        starts += p + n
+    ks, ke = torch.cat(ks), torch.cat(ke)
+    M, N = ks.shape[0], starts
+    q = torch.randn(M, H, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(N, D, device="cuda", generator=g).bfloat16()
+    w = torch.randn(M, H, device="cuda", generator=g) * (H**-0.5 * D**-0.5)
+    return q, k, w, ks, ke
+
+
+gpu = pytest.mark.skipif(DEV != "cuda", reason="production shapes need a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lens,prefix", [([4096], [0]), ([1500, 700, 1900], [0, 512, 0]), ([32] * 8, [2560] * 8)])
+def test_gpu_production_indexer_topk(lens, prefix):
+    topk = 2048
+    q, k, w, ks, ke = _prod_batch(lens, prefix)
+    budget = 64 << 20
+    got = ki.indexer_topk(q, k, w, ks, ke, topk, budget)
+    want = ix.indexer_topk_reference(q, k, w, ks, ke, topk, budget)
+    scores = ix.indexer_logits_reference(q, k, w, ks, ke)
+    got_scores = ki.indexer_logits(q, k, w, ks, ke)
+    fin = torch.isfinite(scores)
+    assert torch.equal(fin, torch.isfinite(got_scores))
+    err = (got_scores[fin] - scores[fin]).abs().max()
+    assert float(err) <= 1e-5 * float(scores[fin].abs().max()), f"scores differ by {float(err):.3e}"
+    # Selection alone on the same fp32 scores is exact (the tie rule decides every tie) ...
+    assert torch.equal(ki.topk_ragged(got_scores, ks, ke, topk), ix.topk_ragged_reference(got_scores, ks, ke, topk))
+    # ... and the fused op differs from the reference only where rounding swaps near-equal scores.
+    differing = _assert_topk_agrees(got, want, scores, got_scores, ks, ke, topk)
+    print(f"rows {q.shape[0]}: {differing} differ from the reference, all within rounding; max score error {float(err):.2e}")
+    slots = torch.randperm(k.shape[0] + 64, device="cuda")[: k.shape[0]]
+    assert torch.equal(ki.topk_paged(got_scores, ks, ke, topk, slots),
+                       ix.topk_paged_reference(got_scores, ks, ke, topk, slots))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_zero_heavy_ties_exact():
+    """ReLU zeros everywhere (most dots negative) at production shape: ids equal the reference's exactly."""
+    q, k, w, ks, ke = _prod_batch([3000], [0], seed=1)
+    q = (q.float() - 2.0).bfloat16()  # most head dots negative -> many exact-zero scores
+    k = k.abs()
+    got_scores = ki.indexer_logits(q, k, w, ks, ke)
+    assert int((got_scores == 0).sum()) > 1_000_000  # sync-ok (test)
+    got = ki.indexer_topk(q, k, w, ks, ke, 2048, 64 << 20)
+    assert torch.equal(got, ix.topk_ragged_reference(got_scores, ks, ke, 2048))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_row_local_and_cuda_graph():
+    q, k, w, ks, ke = _prod_batch([2048, 1024], [0, 1024], seed=2)
+    topk = 2048
+    base = ki.indexer_topk(q, k, w, ks, ke, topk, 64 << 20)
+    perm = torch.randperm(q.shape[0], device="cuda")
+    assert torch.equal(ki.indexer_topk(q[perm], k, w[perm], ks[perm], ke[perm], topk, 32 << 20), base[perm])
+    sub = perm[:777]
+    assert torch.equal(ki.indexer_topk(q[sub], k, w[sub], ks[sub], ke[sub], topk, 64 << 20), base[sub])
+    # Captured and replayed (no host sync, static shapes).
+    out = ki.indexer_topk(q, k, w, ks, ke, topk, 16 << 20)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ki.indexer_topk(q, k, w, ks, ke, topk, 16 << 20)
+    out.fill_(-5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, base)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fp8_scoring_production():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, w, ks, ke = _prod_batch([2048], [0], seed=3)
+    qh, kh = ops.hadamard(q), ops.hadamard(k)
+    q_bytes, w_q = ops.indexer_q_quant(qh, w)
+    k_scale = ix.ue8m0_scale(kh.float().abs().amax(-1))
+    k_bytes = ix.e4m3_bytes(kh, k_scale)
+    want = ix.indexer_logits_fp8_reference(q_bytes, k_bytes, k_scale, w_q, ks, ke)
+    got = ki.indexer_logits_fp8(q_bytes, k_bytes, k_scale, w_q, ks, ke)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    torch.testing.assert_close(got[fin], want[fin], rtol=FP8_TOL, atol=FP8_TOL * float(want[fin].abs().max()))
+    del g
