@@ -33,6 +33,7 @@ def providers() -> dict:
     """Op name -> Triton launcher (each takes the op's arguments, returns what the reference returns)."""
     from . import codecs, materialize, move
     from . import moe
+    from . import indexer
 
     return {
         "take_rows": move.take_rows,
@@ -50,6 +51,7 @@ def providers() -> dict:
         "cp_materialize_kv_pack": materialize.pack_rows,
         "cp_materialize_kv_place": materialize.place_rows,
         "moe_experts": moe.moe_experts,
+        **indexer.providers(),
     }
 
 

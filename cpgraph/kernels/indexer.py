@@ -26,7 +26,10 @@ Two kernels, used by the providers of ``indexer_topk``, ``indexer_logits``,
   order (a running prefix count, so lower positions win).  The ``topk``
   winners are then sorted by the same int64 ``(score, -position)`` key the
   reference ranks by, so the output order is identical too.  Windows of at
-  most ``topk`` keys skip the select and are only sorted.
+  most ``topk`` keys skip the select and are only sorted.  Optionally
+  (``SELECT_COMPACT``) the keys sharing the k-th key's top digit are copied
+  to a scratch list after the first pass, so the other passes read only
+  those.
 
 Why per-row selection: a row's result must depend only on its own scores
 (tested by re-running rows in other batch compositions), and the window
@@ -57,10 +60,14 @@ _TUNE = {
     "KEY_TILE": 128,
     "SCORE_WARPS": 8,
     "SCORE_STAGES": 2,  # two stages leave room for two programs per SM
-    "KEYS_M": False,  # keys on the MMA's M axis (heads on N) instead of query-row heads
+    # Keys on the MMA's M axis and query-row heads on N (the head sum then stays within a thread's
+    # registers).  Off by default for the same reason as SELECT_COMPACT.
+    "KEYS_M": False,
     "SELECT_BLOCK": 4096,
     "SELECT_WARPS": 8,
-    "SELECT_COMPACT": True,  # split after the first radix pass; later passes read only the candidates
+    # Split after the first radix pass so later passes read only the candidates.  Off by default:
+    # correct in the interpreter tests, compiled for sm_90, but not yet timed on a GPU.
+    "SELECT_COMPACT": False,
 }
 log = logging.getLogger("cpgraph.kernels")
 

@@ -322,3 +322,25 @@ def test_gpu_fp8_scoring_production():
     assert torch.equal(fin, torch.isfinite(got))
     torch.testing.assert_close(got[fin], want[fin], rtol=FP8_TOL, atol=FP8_TOL * float(want[fin].abs().max()))
     del g
+
+
+def test_tuning_overrides_are_validated(tmp_path, monkeypatch):
+    saved = ki.tuning()
+    try:
+        ki.set_tuning(SELECT_BLOCK=1024, KEYS_M=True)
+        assert ki.tuning()["SELECT_BLOCK"] == 1024 and ki.tuning()["KEYS_M"] is True
+        with pytest.raises(ValueError, match="unknown tuning parameter 'BLOK'"):
+            ki.set_tuning(BLOK=3)
+        with pytest.raises(ValueError, match="'SELECT_COMPACT' must be bool"):
+            ki.set_tuning(SELECT_COMPACT=1)
+        path = tmp_path / "tune.json"
+        path.write_text('{"KEY_TILE": 64, "SELECT_COMPACT": true}')
+        monkeypatch.setenv("CPGRAPH_INDEXER_TUNING", str(path))
+        ki._tuning_from_env()
+        assert ki.tuning()["KEY_TILE"] == 64 and ki.tuning()["SELECT_COMPACT"] is True
+        # Results do not depend on the tuning.
+        q, k, w = integer_inputs(9, 5, 2, 16, 40)
+        ks, ke = windows(_gen(10), 5, 40)
+        assert torch.equal(ki.indexer_topk(q, k, w, ks, ke, 6, 1 << 20), ix.indexer_topk_reference(q, k, w, ks, ke, 6, 1 << 20))
+    finally:
+        ki.set_tuning(**saved)
