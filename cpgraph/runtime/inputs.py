@@ -98,6 +98,31 @@ def check_prompts(token_lists, prefix_lens, page_size: int, vocab: int) -> tuple
     return lists, prefix
 
 
+BUILTIN_PROMPT_LENS = (96, 40, 17, 130)
+
+
+def builtin_prompts(vocab: int) -> list[list[int]]:
+    """Deterministic demo prompts (token ids only: bundled models have no tokenizer)."""
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in BUILTIN_PROMPT_LENS]
+
+
+def read_prompts(path: str) -> list[list[int]]:
+    """A prompts file: a non-empty JSON list of token-id lists (the ids are checked by :func:`check_prompts`)."""
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise InputError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"prompts file {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
+        raise InputError(f"prompts file {path!r} must hold a non-empty JSON list of token-id lists")
+    return data
+
+
 @dataclass
 class PrefillRequest:
     """A validated prefill request: what every rank will be given."""
@@ -186,11 +211,13 @@ def check_mooncake(module: str | None = None) -> None:
                          "(CPU machines: mooncake-transfer-engine-non-cuda, which needs Debian libibverbs1)")
 
 
-def model_vocab(model: str) -> int:
-    """Vocabulary size of a bundled model or a checkpoint directory, from its config alone.
+def model_config(model: str, allow_file: bool = False):
+    """The :class:`~cpgraph.models.config.DSAConfig` of a bundled model or a checkpoint directory.
 
-    The whole config is parsed (:meth:`DSAConfig.from_hf_dict`), so a config
-    the ranks would refuse is refused here, without reading any weights.
+    Reads ``config.json`` only (never weights) and parses all of it
+    (:meth:`DSAConfig.from_hf_dict`), so a config the ranks would refuse is
+    refused here.  ``allow_file``: ``model`` may also name a ``.json`` config
+    file (for commands that need the config only, never weights).
     """
     import json
     from pathlib import Path
@@ -198,10 +225,11 @@ def model_vocab(model: str) -> int:
     from cpgraph.models.config import DSAConfig, bundled_config_dict, bundled_names
 
     root = Path(model)
-    if root.is_dir():
-        where = str(root / "config.json")
+    if root.is_dir() or (allow_file and root.is_file() and root.suffix == ".json"):
+        path = root / "config.json" if root.is_dir() else root
+        where = str(path)
         with user_input(where):
-            with open(root / "config.json") as f:
+            with open(path) as f:
                 d = json.load(f)
     elif str(model) in bundled_names():
         where, d = f"bundled model {model!r}", bundled_config_dict(str(model))
@@ -209,4 +237,37 @@ def model_vocab(model: str) -> int:
         raise InputError(f"{model!r} is neither a local checkpoint directory nor a bundled model "
                          f"({', '.join(bundled_names())}); cpgraph never downloads weights")
     with user_input(where):
-        return DSAConfig.from_hf_dict(d).vocab_size
+        return DSAConfig.from_hf_dict(d)
+
+
+def model_vocab(model: str) -> int:
+    """Vocabulary size of a bundled model or a checkpoint directory, from its config alone (:func:`model_config`)."""
+    return model_config(model).vocab_size
+
+
+def check_parallel(*, cp: int, ep: int = 1, world_size: int | None = None, num_experts: int | None = None,
+                   ep_available: bool = True) -> int:
+    """Check the CP and EP degrees (and the world they tile); returns the data-parallel degree.
+
+    A world of ``world_size`` ranks is ``world_size // cp`` data-parallel
+    replicas of one CP group, so ``cp`` must divide it.  Expert parallelism
+    spreads the routed experts over the ranks of a CP group: ``ep`` is 1
+    (every rank holds every expert) or ``cp`` (each rank holds
+    ``num_experts / ep``), and must divide the expert count.
+    ``ep_available=False`` (the compiler has no EP support yet) allows only 1.
+    """
+    _check_int("--cp", cp)
+    _check_int("--ep", ep)
+    if ep not in (1, cp):
+        raise InputError(f"--ep must be 1 or equal to --cp ({cp}): experts are split over one CP group, got {ep}")
+    if num_experts is not None and num_experts % ep:
+        raise InputError(f"--ep {ep} does not divide the model's {num_experts} routed experts")
+    if ep != 1 and not ep_available:
+        raise InputError(f"--ep {ep}: expert parallelism is not available in this build (only --ep 1)")
+    if world_size is None:
+        return 1
+    _check_int("WORLD_SIZE", world_size)
+    if world_size % cp:
+        raise InputError(f"world size {world_size} is not divisible by --cp {cp} "
+                         f"(the world is split into data-parallel copies of one CP group)")
+    return world_size // cp

@@ -1,0 +1,249 @@
+"""``cpgraph launch`` under torchrun: environment and layout checks, DP x CP groups, two "nodes" on loopback.
+
+The slow tests start real ``torchrun`` jobs (gloo on the CPU, ``aot_eager``)
+and compare every prompt's logits with a single-device run of the same batch
+the group computed.  Everything binds to 127.0.0.1 and runs under a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cpgraph.cli import main
+from cpgraph.models import prefill_logits, tiny_model
+from cpgraph.runtime import launch
+from cpgraph.runtime.inputs import InputError, builtin_prompts
+
+ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+JOB_TIMEOUT = 600  # seconds a whole torchrun job may take on a loaded 2-core machine
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def test_read_env_reads_all_five():
+    env = launch.read_env(ENV)
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == (0, 2, 0, "127.0.0.1", 29500)
+
+
+def test_missing_rendezvous_variable_is_named():
+    env = dict(ENV)
+    del env["MASTER_ADDR"]
+    with pytest.raises(InputError, match=r"^rendezvous variable\(s\) MASTER_ADDR not set"):
+        launch.read_env(env)
+    with pytest.raises(InputError, match="none of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is set"):
+        launch.read_env({})
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("RANK", "x", "RANK must be an integer"),
+    ("RANK", "2", r"RANK=2 is outside \[0, WORLD_SIZE=2\)"),
+    ("WORLD_SIZE", "0", "WORLD_SIZE must be >= 1"),
+    ("LOCAL_RANK", "1", r"LOCAL_RANK=1 must be in \[0, RANK=0\]"),
+    ("MASTER_PORT", "70000", "MASTER_PORT must be a TCP port"),
+])
+def test_bad_rendezvous_values(key, value, msg):
+    with pytest.raises(InputError, match=msg):
+        launch.read_env(dict(ENV, **{key: value}))
+
+
+def test_only_local_rank_zero_reports_shared_errors():
+    assert launch.reports_errors(ENV)
+    assert not launch.reports_errors(dict(ENV, RANK="1", LOCAL_RANK="1"))
+    assert launch.reports_errors({"LOCAL_RANK": "1"})  # a broken environment: every process says so
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_layout_maps_ranks_to_groups_and_experts():
+    lay = launch.rank_layout(8, cp=4, ep=4, num_experts=16, ep_available=True)
+    assert lay.dp == 2
+    assert [lay.group_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [lay.group_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert lay.group_ranks(1) == [4, 5, 6, 7]
+    assert [lay.expert_range(r, 16) for r in (0, 3, 4)] == [(0, 4), (12, 16), (0, 4)]
+    assert launch.rank_layout(8, cp=4, ep=1).expert_range(5, 16) == (0, 16)
+
+
+@pytest.mark.parametrize("world,cp,ep,experts,available,msg", [
+    (6, 4, 1, 8, True, "world size 6 is not divisible by --cp 4"),
+    (8, 4, 2, 8, True, r"--ep must be 1 or equal to --cp \(4\)"),
+    (8, 4, 4, 6, True, "--ep 4 does not divide the model's 6 routed experts"),
+    (8, 4, 4, 8, False, "expert parallelism is not available in this build"),
+    (8, 0, 1, 8, True, "--cp must be >= 1"),
+])
+def test_layout_refusals(world, cp, ep, experts, available, msg):
+    with pytest.raises(InputError, match=msg):
+        launch.rank_layout(world, cp=cp, ep=ep, num_experts=experts, ep_available=available)
+
+
+def test_ep_follows_the_compiler_config():
+    """--ep > 1 is accepted exactly when CPConfig has an expert-parallel field."""
+    field = launch.ep_config_field()
+    if field is None:
+        with pytest.raises(InputError, match="not available"):
+            launch.rank_layout(4, cp=2, ep=2, num_experts=8)
+    else:
+        assert launch.rank_layout(4, cp=2, ep=2, num_experts=8).ep == 2
+
+
+def test_round_robin_and_per_group_files(tmp_path):
+    assert launch.round_robin(5, 2) == [[0, 2, 4], [1, 3]]
+    with pytest.raises(InputError, match="1 prompt.* for 2 data-parallel groups"):
+        launch.round_robin(1, 2)
+    (tmp_path / "b0.json").write_text(json.dumps([[1, 2], [3]]))
+    (tmp_path / "b1.json").write_text(json.dumps([[4, 5, 6]]))
+    spec = launch.LaunchSpec(model="tiny-glm5", prompts_file=str(tmp_path / "b{group}.json"))
+    assert launch.group_prompts(spec, 2, 0, 512) == ([0, 1], [[1, 2], [3]], [0, 0])
+    assert launch.group_prompts(spec, 2, 1, 512) == ([2], [[4, 5, 6]], [0])
+    spec.prefix_lens = [0, 0]
+    with pytest.raises(InputError, match="--prefix-lens applies to one prompts file"):
+        launch.group_prompts(spec, 2, 0, 512)
+    one = launch.LaunchSpec(model="tiny-glm5", prompts_file=str(tmp_path / "b0.json"), prefix_lens=[16, 0])
+    assert launch.group_prompts(one, 2, 1, 512) == ([1], [[3]], [0])
+
+
+# ----------------------------------------------------------------------------- CLI errors (no rank started)
+
+
+def _one_line_exit_2(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpgraph launch: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("env,argv,msg", [
+    ({"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, [], "MASTER_ADDR not set"),
+    ({}, [], "none of RANK"),
+    (dict(ENV, WORLD_SIZE="3"), ["--cp", "2"], "world size 3 is not divisible by --cp 2"),
+    (ENV, ["--ep", "3", "--cp", "2"], r"--ep must be 1 or equal to --cp \(2\)"),
+    (ENV, ["--model", "no-such-model"], "neither a local checkpoint directory nor a bundled model"),
+    (ENV, ["--top", "0"], "--top must be >= 1"),
+])
+def test_launch_cli_errors_are_one_line(monkeypatch, capsys, env, argv, msg):
+    for k in launch.RENDEZVOUS_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = ["launch", "--model", "tiny-glm5", "--device", "cpu"] + argv
+    err = _one_line_exit_2(capsys, args)
+    assert re.search(msg, err), err
+
+
+# ----------------------------------------------------------------------------- torchrun jobs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", *extra]
+
+
+def _job_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    for k in launch.RENDEZVOUS_VARS:
+        env.pop(k, None)
+    return env
+
+
+def _run_jobs(cmds: list[list[str]], cwd) -> list[subprocess.CompletedProcess]:
+    """Start every command (one per "node"), wait for all under one timeout, kill their process groups on expiry."""
+    procs = [subprocess.Popen(c, cwd=cwd, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for c in cmds]
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=JOB_TIMEOUT)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return out
+
+
+def _reference(tokens: list[list[int]]) -> torch.Tensor:
+    return prefill_logits(tiny_model("tiny-glm5"), tokens)
+
+
+def _launch_args(*extra: str) -> list[str]:
+    return ["-m", "cpgraph", "launch", "--model", "tiny-glm5", "--device", "cpu", "--backend", "aot_eager",
+            "--timeout", "300", *extra]
+
+
+@pytest.mark.slow
+def test_torchrun_two_cp_groups_run_their_own_batches(tmp_path):
+    """4 ranks on one node, --cp 2: two data-parallel CP groups, each equal to one device on its own batch."""
+    prompts = builtin_prompts(512)[:3] + [list(range(5, 60))]
+    (tmp_path / "p.json").write_text(json.dumps(prompts))
+    out = tmp_path / "out.json"
+    cmd = _torchrun(_free_port(), "--nproc-per-node", "4") + _launch_args(
+        "--cp", "2", "--prompts-file", "p.json", "--json", str(out))
+    (res,) = _run_jobs([cmd], tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert (data["world_size"], data["dp"], data["cp"], data["ep"]) == (4, 2, 2, 1)
+    assert data["tokens"] == prompts
+    groups = data["groups"]
+    assert [g["ranks"] for g in groups] == [[0, 1], [2, 3]]
+    assert [g["prompt_indices"] for g in groups] == [[0, 2], [1, 3]]  # round-robin: different batches
+    assert all(g["ranks_agree"] for g in groups)
+    logits = torch.tensor(data["logits"])
+    for g in groups:
+        idx = g["prompt_indices"]
+        ref = _reference([prompts[i] for i in idx])
+        torch.testing.assert_close(logits[idx], ref, rtol=0, atol=1e-5)
+        assert sum(g["kv_bytes_per_rank"]) == g["replicated_bytes"]  # owner-sharded: each page stored once
+    assert "world 4 = 2 data-parallel group(s) x CP 2 (EP 1) on cpu (aot_eager)" in res.stdout
+    assert res.stdout.count("prompt ") == 4  # only global rank 0 prints results
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_form_one_cp_group(tmp_path):
+    """Two torchrun invocations (--nnodes 2, one rank each) meet at a c10d rendezvous on 127.0.0.1."""
+    port = _free_port()
+    out = tmp_path / "out.json"
+    cmds = [_torchrun(port, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                      "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}")
+            + _launch_args("--cp", "2", "--json", str(out)) for n in (0, 1)]
+    results = _run_jobs(cmds, tmp_path)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert (data["world_size"], data["dp"], data["cp"]) == (2, 1, 2)
+    assert data["groups"][0]["ranks_agree"]
+    torch.testing.assert_close(torch.tensor(data["logits"]), _reference(data["tokens"]), rtol=0, atol=1e-5)
+    printed = [r for r in results if "world 2 = 1 data-parallel group(s)" in r.stdout]
+    assert len(printed) == 1  # exactly one process (global rank 0) prints the results
+
+
+@pytest.mark.slow
+def test_bad_input_on_one_group_stops_every_rank_with_one_line(tmp_path):
+    """Group 1's prompts file is broken: no rank waits for it in a collective; each node prints one line."""
+    (tmp_path / "b0.json").write_text(json.dumps([[1, 2, 3]]))
+    (tmp_path / "b1.json").write_text(json.dumps([[1, 999999]]))
+    cmd = _torchrun(_free_port(), "--nproc-per-node", "2") + _launch_args(
+        "--cp", "1", "--prompts-file", "b{group}.json")
+    (res,) = _run_jobs([cmd], tmp_path)
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("cpgraph launch: error:")]
+    assert lines == ["cpgraph launch: error: rank 1: prompt 0, position 1: token 999999 is not an id in [0, 512) "
+                     "(the model's vocabulary)"], res.stderr[-4000:]
+    assert "cpgraph/runtime" not in res.stderr  # no traceback from a rank
