@@ -18,6 +18,8 @@ import re
 import sys
 
 from cpgraph.runtime.inputs import InputError, one_line, user_input
+from cpgraph.runtime.inputs import builtin_prompts as _builtin_prompts
+from cpgraph.runtime.inputs import read_prompts as _read_prompts
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,30 +95,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- memory
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    """``cpgraph memory``: per-rank weights, KV and activation peak of a CP prefill, from the config alone."""
+    from cpgraph.plan.memory import plan_memory, render_memory
+    from cpgraph.runtime.inputs import check_parallel, model_config
+
+    with user_input():
+        cfg = model_config(args.model_config, allow_file=True)
+        moe = "sparse" in cfg.mlp_layer_types
+        check_parallel(cp=args.cp, ep=args.ep, num_experts=cfg.n_routed_experts if moe else None)
+        plan = plan_memory(cfg, tokens=args.tokens, cp=args.cp, ep=args.ep, row_bucket=args.row_bucket,
+                           dtype=args.dtype, kv_format=args.kv_format, index_format=args.index_format,
+                           page_size=args.page)
+    print(json.dumps(plan.to_dict()) if args.json else render_memory(plan))
+    return 0
+
+
 # ----------------------------------------------------------------------------- run
-
-_BUILTIN_PROMPT_LENS = (96, 40, 17, 130)
-
-
-def _builtin_prompts(vocab: int) -> list[list[int]]:
-    """Deterministic demo prompts (token ids only: bundled models have no tokenizer)."""
-    import torch
-
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in _BUILTIN_PROMPT_LENS]
-
-
-def _read_prompts(path: str) -> list[list[int]]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise InputError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"prompts file {path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
-        raise InputError(f"prompts file {path!r} must hold a non-empty JSON list of token-id lists")
-    return data
 
 
 def _check_run_flags(args: argparse.Namespace) -> None:
@@ -335,6 +333,55 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     return 0 if cache_ok else 1
 
 
+# ----------------------------------------------------------------------------- launch
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    """``torchrun ... cpgraph launch``: this process is one rank of a (multi-node) DP x CP job."""
+    from cpgraph.models.prefill import DEFAULT_PAGE_SIZE
+    from cpgraph.runtime.launch import LaunchSpec, reports_errors, run_launch
+
+    spec = LaunchSpec(model=str(args.model), prompts_file=args.prompts_file, prefix_lens=args.prefix_lens, cp=args.cp,
+                      ep=args.ep, device=args.device, backend=args.backend, kv_format=args.kv_format, dtype=args.dtype,
+                      page_size=DEFAULT_PAGE_SIZE, timeout=args.timeout, repeat=args.repeat, json_out=args.json)
+    try:
+        with user_input():
+            if args.top < 1:
+                raise InputError(f"--top must be >= 1, got {args.top}")
+            res = run_launch(spec, progress=_progress(args, "launch"))
+    except InputError as exc:
+        if reports_errors():  # one line per node, not one per rank
+            print(f"cpgraph launch: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    if res is None:  # not global rank 0: rank 0 prints the job's results
+        return 0
+    lay = res.layout
+    top = _print_top(args, res.tokens, res.prefix_lens, res.logits)
+    print(f"world {lay.world_size} = {lay.dp} data-parallel group(s) x CP {lay.cp} (EP {lay.ep}) on {res.device} "
+          f"({res.backend})")
+    for g in res.groups:
+        tokens = sum(len(res.tokens[i]) for i in g.prompt_indices)
+        runs = f"first run {g.seconds[0]:.3f} s (compile)"
+        if len(g.seconds) > 1:
+            runs += f", last run {g.seconds[-1]:.3f} s ({tokens / max(g.seconds[-1], 1e-9):.0f} tok/s)"
+        print(f"group {g.group}: ranks {g.ranks}, prompts {g.prompt_indices}, {tokens} tokens: {runs}; "
+              f"ranks agree: {g.ranks_agree}")
+        for r, b, n in zip(g.ranks, g.kv_bytes_per_rank, g.pages_per_rank):
+            print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(g.replicated_bytes, 1):.3f} of a "
+                  f"replicated cache ({g.replicated_bytes} bytes)")
+    if args.json:
+        import dataclasses
+
+        payload = _run_payload(args, res.tokens, res.prefix_lens, res.logits, top, world_size=lay.world_size,
+                               cp=lay.cp, ep=lay.ep, dp=lay.dp, device=res.device, backend=res.backend,
+                               groups=[dataclasses.asdict(g) for g in res.groups])
+        _write_json(args.json, payload, _progress(args, "launch"))
+    if not all(g.ranks_agree for g in res.groups):
+        print("error: the ranks of a CP group returned different logits", file=sys.stderr)
+        return 1
+    return 0
+
+
 # ----------------------------------------------------------------------------- pd
 
 
@@ -404,6 +451,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
 
+    m = sub.add_parser("memory", help="per-rank memory plan of a CP prefill (weights by part, KV, activation "
+                                      "peak) from a model config, before renting GPUs")
+    m.add_argument("--model-config", required=True, metavar="DIR_OR_NAME",
+                   help="checkpoint dir, its config.json, or a bundled model name (no weights are read)")
+    m.add_argument("--tokens", type=int, required=True, help="context length of the request to prefill")
+    m.add_argument("--cp", type=int, default=1, help="CP group size (default 1)")
+    m.add_argument("--ep", type=int, default=1, help="expert-parallel degree: 1 or equal to --cp (default 1)")
+    m.add_argument("--row-bucket", type=int, default=None,
+                   help="rows per rank of one forward (chunked prefill / capture bucket); default: the whole "
+                        "request in one forward")
+    m.add_argument("--dtype", choices=("bf16", "fp8", "fp32"), default="bf16",
+                   help="weights: bf16, fp8 (e4m3 projections with 128x128 block scales) or fp32 (default bf16)")
+    m.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
+                   help="MLA cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
+    m.add_argument("--index-format", choices=("bf16", "fp8"), default=None,
+                   help="index-K cache: bf16 (dense) or fp8 (132 B/token at D=128) (default: as --kv-format)")
+    m.add_argument("--page", type=int, default=64, help="KV page size, a power of two (default 64)")
+    m.add_argument("--json", action="store_true", help="print the plan as JSON")
+    m.set_defaults(func=_cmd_memory)
+
     r = sub.add_parser("run", help="prefill prompts on a DSA model (one device, or CP with --cp) and print top ids")
     r.add_argument("--model", required=True, help="bundled tiny model name (e.g. tiny-glm5) or a local HF checkpoint dir")
     r.add_argument("--prompts-file", default=None, help="JSON list of token-id lists (default: built-in prompts)")
@@ -453,7 +520,38 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     d.set_defaults(func=_cmd_pd)
 
-    for name in ("plan", "run", "pd"):  # -v also after the subcommand; SUPPRESS keeps a global -v
+    ln = sub.add_parser("launch", help="one rank of a torchrun job (torchrun ... -m cpgraph launch ...): CP prefill "
+                                        "on data-parallel CP groups, one node or many (see docs/launch.md)")
+    ln.add_argument("--model", required=True,
+                    help="bundled tiny model name or a local HF checkpoint dir (the same path on every node)")
+    ln.add_argument("--prompts-file", default=None,
+                    help="JSON list of token-id lists, dealt round-robin to the CP groups; a name containing {group} "
+                         "is one file per group (default: built-in prompts)")
+    ln.add_argument("--prefix-lens", type=_int_list, default=None,
+                    help="tokens of each prompt to prefill and cache first (multiples of 16), e.g. 64,0")
+    ln.add_argument("--cp", type=int, default=None,
+                    help="CP group size; WORLD_SIZE / cp data-parallel groups (default: the whole world)")
+    ln.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel degree inside a CP group: 1 or equal to --cp (default 1)")
+    ln.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="cuda = NCCL, rank on cuda:LOCAL_RANK; cpu = gloo (default auto: cuda when visible)")
+    ln.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor",
+                    help="torch.compile backend of the CP forward (default inductor)")
+    ln.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
+                    help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
+    ln.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="model dtype (default: the checkpoint config's; float32 for bundled models)")
+    ln.add_argument("--repeat", type=int, default=1,
+                    help="prefill runs; the first compiles, the last is the timed one (default 1)")
+    ln.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds the rendezvous and each collective may wait (default 600)")
+    ln.add_argument("--top", type=int, default=5, help="how many top token ids to print per prompt (default 5)")
+    ln.add_argument("--json", default=None, metavar="OUT", help="global rank 0 writes logits, tokens and per-group "
+                                                              "figures to OUT")
+    ln.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ln.set_defaults(func=_cmd_launch)
+
+    for name in ("plan", "memory", "run", "pd", "launch"):  # -v also after the subcommand; SUPPRESS keeps a global -v
         _add_verbose(sub.choices[name], argparse.SUPPRESS)
     return parser
 

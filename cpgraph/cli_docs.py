@@ -45,6 +45,36 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--cache-layout": "cpgraph run --model tiny-glm5 --cache --evict --cache-layout page_first",
         "--write-policy": "cpgraph run --model tiny-glm5 --cache --evict --write-policy write_back",
     },
+    "memory": {
+        None: "cpgraph memory --model-config ./DeepSeek-V3.2 --cp 8 --ep 8 --tokens 131072 --dtype fp8 --kv-format fp8",
+        "--model-config": "cpgraph memory --model-config tiny-glm5 --tokens 4096",
+        "--tokens": "cpgraph memory --model-config ./GLM-5/config.json --tokens 131072 --cp 8",
+        "--cp": "cpgraph memory --model-config ./GLM-5 --tokens 131072 --cp 8",
+        "--ep": "cpgraph memory --model-config ./GLM-5 --tokens 131072 --cp 8 --ep 8",
+        "--row-bucket": "cpgraph memory --model-config ./GLM-5 --tokens 131072 --cp 8 --row-bucket 4096",
+        "--dtype": "cpgraph memory --model-config ./DeepSeek-V3.2 --tokens 131072 --cp 8 --dtype fp8",
+        "--kv-format": "cpgraph memory --model-config ./DeepSeek-V3.2 --tokens 131072 --cp 8 --kv-format fp8",
+        "--index-format": "cpgraph memory --model-config ./GLM-5 --tokens 131072 --cp 8 --index-format fp8",
+        "--page": "cpgraph memory --model-config tiny-glm5 --tokens 4096 --page 16",
+        "--json": "cpgraph memory --model-config tiny-glm5 --tokens 4096 --json",
+    },
+    "launch": {
+        None: "cpgraph launch --model ./DeepSeek-V3.2 --prompts-file prompts.json --cp 8",
+        "--model": "cpgraph launch --model ./GLM-5",
+        "--prompts-file": "cpgraph launch --model tiny-glm5 --prompts-file 'batch_{group}.json'",
+        "--prefix-lens": "cpgraph launch --model tiny-glm5 --prefix-lens 64,0,0,16",
+        "--cp": "cpgraph launch --model tiny-glm5 --cp 2",
+        "--ep": "cpgraph launch --model tiny-glm5 --cp 2 --ep 1",
+        "--device": "cpgraph launch --model tiny-glm5 --device cpu",
+        "--backend": "cpgraph launch --model tiny-glm5 --backend aot_eager",
+        "--kv-format": "cpgraph launch --model tiny-deepseek-v32-fp8 --kv-format fp8",
+        "--dtype": "cpgraph launch --model tiny-glm5 --dtype bfloat16",
+        "--repeat": "cpgraph launch --model tiny-glm5 --repeat 3",
+        "--timeout": "cpgraph launch --model tiny-glm5 --timeout 1800",
+        "--top": "cpgraph launch --model tiny-glm5 --top 3",
+        "--json": "cpgraph launch --model tiny-glm5 --json out.json",
+        "--quiet": "cpgraph launch --model tiny-glm5 --quiet",
+    },
     "pd": {
         None: "cpgraph pd --cp 2 --prefix-lens 32,0,0,64",
         "--model": "cpgraph pd --model tiny-deepseek-v32 --cp 1",
@@ -68,9 +98,11 @@ _INTRO = """\
 <!-- Generated from the argparse definitions in cpgraph/cli.py by
      `python -m cpgraph.cli --dump-docs > docs/cli.md`; tests/test_cli_docs.py fails when it is stale. -->
 
-Three subcommands: `plan` (how a batch is split over a CP group), `run` (prefill prompts on one
-device or a CP group and compare with one device), `pd` (CP prefill, Mooncake KV transfer to a
-decode process, one decode step checked against transformers).
+Subcommands: `plan` (how a batch is split over a CP group), `memory` (per-rank bytes of a CP
+prefill from a model config: weights, KV, activation peak), `run` (prefill prompts on one device or
+a CP group it spawns, compared with one device), `pd` (CP prefill, Mooncake KV transfer to a decode
+process, one decode step checked against transformers), `launch` (one rank of a `torchrun` job:
+data-parallel CP groups on one node or many; see [launch.md](launch.md)).
 
 Errors: a bad flag, prompt, checkpoint or output path is reported as ONE line on stderr,
 `cpgraph <command>: error: <what>`, with exit status 2, before any rank is spawned or model

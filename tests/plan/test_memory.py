@@ -1,0 +1,211 @@
+"""The memory plan: weights equal what the model allocates, KV equals what the pool allocates, real configs add up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cpgraph.cli import main
+from cpgraph.models import tiny_model
+from cpgraph.models.config import DSAConfig, bundled_config_dict, bundled_names
+from cpgraph.models.loading import build_model, estimate_model_bytes
+from cpgraph.ops import codecs
+from cpgraph.plan import plan_prefill
+from cpgraph.plan import memory as mem
+
+# Public config.json values (architecture sizes only; no weights).
+DEEPSEEK_V32 = dict(
+    model_type="deepseek_v32", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
+    index_n_heads=64, index_head_dim=128, index_topk=2048,
+)
+# GLM-5 (zai-org/GLM-5, transformers' GlmMoeDsaConfig): 78 layers, 3 dense; no IndexCache keys (every layer indexes).
+GLM5 = dict(
+    model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+    moe_intermediate_size=2048, num_hidden_layers=78, first_k_dense_replace=3, num_attention_heads=64,
+    q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+    n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
+    index_n_heads=32, index_head_dim=128, index_topk=2048,
+)
+
+
+def _cfg(d: dict) -> DSAConfig:
+    return DSAConfig.from_hf_dict(d)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@pytest.mark.parametrize("name", bundled_names())
+@pytest.mark.parametrize("dtype,torch_dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_weights_equal_what_the_model_allocates(name, dtype, torch_dtype):
+    cfg = _cfg(bundled_config_dict(name))
+    assert sum(mem.weight_bytes(cfg, dtype).values()) == estimate_model_bytes(cfg, torch_dtype)
+    assert mem.param_count(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_weight_parts_follow_the_modules():
+    """Each part equals the bytes of the modules it names (tiny-glm5 in fp32; IndexCache drops indexers)."""
+    model = tiny_model("tiny-glm5")
+    cfg = model.config
+
+    def nbytes(pred):
+        named = dict(model.named_parameters()) | dict(model.named_buffers())
+        return sum(t.numel() * t.element_size() for n, t in named.items() if pred(n))
+
+    parts = mem.weight_bytes(cfg, "fp32")
+    assert parts["indexer"] == nbytes(lambda n: ".indexer." in n and "k_norm" not in n)
+    assert parts["routed_experts"] == nbytes(lambda n: ".mlp.experts." in n)
+    assert parts["shared_experts"] == nbytes(lambda n: "shared_experts" in n)
+    assert parts["router"] == nbytes(lambda n: ".mlp.gate." in n)
+    assert parts["embeddings"] == nbytes(lambda n: "embed_tokens" in n or "lm_head" in n)
+    assert len(cfg.indexer_layers) < cfg.num_hidden_layers  # the check above covers the IndexCache case
+
+
+def test_expert_parallelism_splits_only_the_routed_experts():
+    cfg = _cfg(DEEPSEEK_V32)
+    one, eight = mem.weight_bytes(cfg, "bf16", ep=1), mem.weight_bytes(cfg, "bf16", ep=8)
+    assert eight["routed_experts"] * 8 == one["routed_experts"]
+    assert {k: v for k, v in eight.items() if k != "routed_experts"} == {
+        k: v for k, v in one.items() if k != "routed_experts"}
+    with pytest.raises(ValueError, match="'ep' = 3 does not divide the 256 routed experts"):
+        mem.weight_bytes(cfg, "bf16", ep=3)
+
+
+def test_fp8_weights_are_e4m3_with_block_scales():
+    cfg = _cfg(DEEPSEEK_V32)
+    bf16, fp8 = mem.weight_bytes(cfg, "bf16"), mem.weight_bytes(cfg, "fp8")
+    # A routed expert: three 7168 x 2048 matrices, 1 byte per value + one fp32 per 128 x 128 block.
+    per_expert = 3 * (7168 * 2048 + 4 * 56 * 16)
+    assert fp8["routed_experts"] == 58 * 256 * per_expert
+    assert fp8["embeddings"] == bf16["embeddings"] and fp8["router"] == bf16["router"]  # kept as they are
+
+
+def test_real_configs_have_their_published_sizes():
+    # DeepSeek-V3.2: 671B main-model parameters (685B with the MTP layer, which prefill does not load).
+    assert mem.param_count(_cfg(DEEPSEEK_V32)) == pytest.approx(671e9, rel=0.01)
+    # GLM-5: 744B total parameters.
+    assert mem.param_count(_cfg(GLM5)) == pytest.approx(744e9, rel=0.01)
+
+
+# ----------------------------------------------------------------------------- KV
+
+
+def test_byte_facts_match_the_codecs():
+    assert mem.MLA_FP8_RECORD_BYTES == codecs.MLA_FP8_RECORD_BYTES == 656
+    cfg = _cfg(DEEPSEEK_V32)
+    per_tok = mem.kv_bytes_per_token(cfg, "fp8")
+    assert per_tok == {"mla": 61 * 656, "index": 61 * codecs.index_k_token_bytes(128)}
+    assert codecs.index_k_token_bytes(128) == 132
+    assert mem.kv_bytes_per_token(cfg, "bf16", dtype="bf16") == {"mla": 61 * 1152, "index": 61 * 256}
+
+
+def test_index_k_only_for_layers_with_their_own_indexer():
+    glm = _cfg(dict(GLM5, index_topk_freq=4, index_skip_topk_offset=2))
+    active = len(glm.indexer_layers)
+    assert 0 < active < 78
+    assert mem.kv_bytes_per_token(glm, "fp8")["index"] == active * 132
+    assert mem.weight_bytes(glm, "bf16")["indexer"] * 78 == mem.weight_bytes(_cfg(GLM5), "bf16")["indexer"] * active
+
+
+@pytest.mark.parametrize("tokens,cp,page", [(131072, 8, 64), (1000, 2, 64), (97, 4, 16), (5000, 3, 32), (10, 8, 16)])
+def test_owned_pages_follow_the_planner(tokens, cp, page):
+    plan = plan_prefill([0], [tokens], cp_size=cp, page_size=page)
+    owners = plan.page_owners(0)
+    assert mem.owned_pages(tokens, cp, page) == (max(owners.count(r) for r in range(cp)), len(owners))
+
+
+@pytest.mark.parametrize("name,kv_format", [("tiny-deepseek-v32-fp8", "fp8"), ("tiny-deepseek-v32-fp8", "bf16"),
+                                            ("tiny-glm5", "bf16")])
+def test_kv_bytes_equal_what_the_pool_allocates(name, kv_format):
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.runtime.engine import run_prefill
+
+    model = tiny_model(name)
+    model.kv_layout = make_layout(model, kv_format, 16)
+    prompt = [list(range(3, 3 + 70))]
+    res = run_prefill(lambda *a, **k: model(*a, **k), model, prompt, kv_format=kv_format, page_size=16)
+    plan = mem.plan_memory(model.config, tokens=70, page_size=16, dtype="fp32", kv_format=kv_format)
+    assert plan.kv_bytes == res.kv_bytes == res.pool_bytes
+
+
+def test_v32_and_glm5_at_cp8_ep8_128k():
+    for d, layers, index_layers in ((DEEPSEEK_V32, 61, 61), (GLM5, 78, 78)):
+        plan = mem.plan_memory(_cfg(d), tokens=131072, cp=8, ep=8, dtype="fp8", kv_format="fp8")
+        assert (plan.pages_per_rank, plan.pages_total) == (256, 2048)  # 2048 pages, 16 chunks of 128
+        assert plan.kv_bytes == 256 * 64 * (layers * 656 + index_layers * 132)
+        assert plan.kv_replicated_bytes == 8 * plan.kv_bytes
+        assert plan.rows == 16384 and plan.keys == 131072
+        assert plan.total_bytes == plan.weight_bytes + plan.kv_bytes + plan.activation_peak
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def test_dense_indexer_scores_are_chunked_fp8_scores_are_not():
+    cfg = _cfg(DEEPSEEK_V32)
+    small, big = (mem.plan_memory(cfg, tokens=t, cp=8, row_bucket=4096, kv_format="bf16") for t in (65536, 131072))
+    grow = big.activation_phases["attention"] - small.activation_phases["attention"]
+    # Dense: the score chunk stays within the budget; only the N-sized views grow (O(N), not O(rows * N)).
+    assert grow < 4096 * 65536
+    f_small, f_big = (mem.plan_memory(cfg, tokens=t, cp=8, row_bucket=4096, kv_format="fp8") for t in (65536, 131072))
+    assert f_big.activation_phases["attention"] - f_small.activation_phases["attention"] >= 4 * 4096 * 65536
+
+
+def test_moe_and_mlp_phases_scale_with_the_row_bucket():
+    cfg = _cfg(GLM5)
+    a, b = (mem.plan_memory(cfg, tokens=131072, cp=8, row_bucket=r) for r in (2048, 4096))
+    for phase in ("moe", "dense_mlp"):
+        assert b.activation_phases[phase] == 2 * a.activation_phases[phase]
+    assert b.activation_base == 2 * a.activation_base
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(tokens=0), "'tokens' must be an int >= 1"),
+    (dict(tokens=10, page_size=48), "'page_size' must be a power of two"),
+    (dict(tokens=10, row_bucket=0), "'row_bucket' must be an int >= 1"),
+    (dict(tokens=10, dtype="int8"), "'dtype' must be one of"),
+    (dict(tokens=10, kv_format="fp4"), "'kv_format' must be one of"),
+])
+def test_bad_arguments_are_named(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        mem.plan_memory(_cfg(GLM5), **kw)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_memory_json_and_text(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V32))
+    argv = ["memory", "--model-config", str(tmp_path), "--cp", "8", "--ep", "8", "--tokens", "131072",
+            "--dtype", "fp8", "--kv-format", "fp8"]
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = mem.plan_memory(_cfg(DEEPSEEK_V32), tokens=131072, cp=8, ep=8, dtype="fp8", kv_format="fp8")
+    assert data["weights"] == plan.weights and data["total_bytes"] == plan.total_bytes
+    assert data["kv_per_token"] == {"mla": 61 * 656, "index": 61 * 132}
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "routed_experts" in text and "<- peak" in text and f"{plan.total_bytes:,} B" in text
+    assert main(["memory", "--model-config", str(tmp_path / "config.json"), "--tokens", "4096"]) == 0  # the file too
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--cp", "8", "--ep", "4"], r"--ep must be 1 or equal to --cp \(8\)"),
+    (["--tokens", "0"], "'tokens' must be an int >= 1"),
+    (["--model-config", "nowhere"], "neither a local checkpoint directory nor a bundled model"),
+    (["--page", "3"], "'page_size' must be a power of two"),
+])
+def test_cli_memory_errors_are_one_line(capsys, argv, msg):
+    import re
+
+    base = {"--model-config": "tiny-glm5", "--tokens": "4096"}
+    flags = dict(zip(argv[::2], argv[1::2]))
+    full = ["memory"] + [x for k, v in {**base, **flags}.items() for x in (k, v)]
+    assert main(full) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpgraph memory: error: ") and err.count("\n") == 1 and re.search(msg, err), err
