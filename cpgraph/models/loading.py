@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -35,6 +36,7 @@ from torch import Tensor
 
 from .config import DSAConfig, bundled_config_dict, bundled_names
 from .model import DecoderLayer, DSAForCausalLM
+from .moe import expert_shard, local_expert_range, shard_experts
 
 # Tensors kept in fp32 whatever the requested dtype (transformers does the same).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -193,16 +195,25 @@ def load_state(model: DSAForCausalLM, named: Iterable[tuple[str, Tensor]]) -> DS
 
 
 # ---------------------------------------------------------------- sources
-def from_hf(hf_model, dtype=None, device="cpu") -> DSAForCausalLM:
-    """Convert an in-memory ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM``."""
+def from_hf(hf_model, dtype=None, device="cpu", *, ep_rank: int = 0, ep_size: int = 1) -> DSAForCausalLM:
+    """Convert an in-memory ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM``.
+
+    ``ep_rank`` / ``ep_size``: keep only this expert-parallel rank's routed
+    experts (``docs/expert_parallel.md``).
+    """
     config = getattr(hf_model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"from_hf expects a transformers model with a .config, got {type(hf_model).__name__}")
     cfg = DSAConfig.from_hf_dict(config.to_dict())
     if dtype is None:
         dtype = next(p.dtype for n, p in hf_model.named_parameters() if not _keeps_fp32(n))
-    model = build_model(cfg, dtype, device)
-    return load_state(model, hf_model.state_dict().items())
+    experts = _expert_range(cfg, ep_rank, ep_size)
+    with expert_shard(experts):
+        model = build_model(cfg, dtype, device)
+    named = hf_model.state_dict().items()
+    if experts is not None:
+        named = _local_experts(((n, lambda rows, t=t: t if rows is None else t[rows]) for n, t in named), experts)
+    return load_state(model, named)
 
 
 def _read_json(path: Path):
@@ -281,6 +292,102 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
             raise
         except Exception as exc:
             raise _shard_error(path, exc) from None
+
+
+# --------------------------------------------------- expert-parallel shards
+# Any per-expert tensor (weights, and scales of quantised checkpoints) and the stacked expert tensors.
+_PER_EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+_STACKED_EXPERTS_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_ST_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                   "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+
+
+def _expert_range(cfg: DSAConfig, ep_rank: int, ep_size: int) -> tuple[int, int] | None:
+    """The routed experts this rank keeps, or ``None`` for all (``ep_size == 1``)."""
+    if ep_size == 1 and ep_rank == 0:
+        return None
+    return local_expert_range(cfg.n_routed_experts, ep_rank, ep_size)
+
+
+def _local_experts(entries, experts: tuple[int, int]) -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` pairs with only the routed experts ``[start, stop)`` read.
+
+    ``entries`` yields ``(name, read)`` where ``read(rows)`` returns the
+    tensor (``rows=None``) or its leading-dim slice.  Per-expert tensors of
+    other experts are never read; stacked ``[E, ...]`` tensors are read as
+    their ``[start, stop)`` rows only; per-expert weights of local experts
+    are stacked here, layer by layer, into the layout the sharded model
+    holds.  So host memory is bounded by the local share plus one layer's
+    stack.  An incomplete local set is passed through under its own names
+    for :func:`load_state` to report.
+    """
+    start, stop = experts
+    parts: dict[str, dict[tuple[int, str], Tensor]] = {}
+    for name, read in entries:
+        m = _PER_EXPERT_RE.match(name)
+        if m is not None:
+            if not start <= int(m.group(1)) < stop:
+                continue
+            w = _EXPERT_RE.match(name)
+            if w is None:
+                yield name, read(None)
+            else:
+                parts.setdefault(w.group(1), {})[(int(w.group(3)), w.group(4))] = read(None)
+            continue
+        yield name, read(slice(start, stop) if _STACKED_EXPERTS_RE.match(name) else None)
+    kinds = ("gate_proj", "up_proj", "down_proj")
+    for prefix in list(parts):
+        got = parts.pop(prefix)
+        complete = len(got) == 3 * (stop - start) and all((j, k) in got for j in range(start, stop) for k in kinds)
+        if complete and all(got[(j, "gate_proj")].shape == got[(j, "up_proj")].shape == got[(start, "gate_proj")].shape
+                            and got[(j, "down_proj")].shape == got[(start, "down_proj")].shape
+                            for j in range(start, stop)):
+            yield f"{prefix}.gate_up_proj", torch.stack(
+                [torch.cat((got.pop((j, "gate_proj")), got.pop((j, "up_proj"))), 0) for j in range(start, stop)])
+            yield f"{prefix}.down_proj", torch.stack([got.pop((j, "down_proj")) for j in range(start, stop)])
+        else:
+            for (j, k), t in sorted(got.items()):
+                yield f"{prefix}.{j}.{k}.weight", t
+
+
+def _safetensors_entries(files: list[Path]):
+    """``(name, read)`` per checkpoint tensor, read lazily (``safe_open`` + ``get_slice``) by :func:`_local_experts`."""
+    from safetensors import safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    def read(rows, key=key, f=f, path=path):
+                        try:
+                            return f.get_tensor(key) if rows is None else f.get_slice(key)[rows]
+                        except Exception as exc:
+                            raise _shard_error(path, exc) from None
+                    yield key, read
+        except GeneratorExit:
+            raise
+        except Exception as exc:
+            raise _shard_error(path, exc) from None
+
+
+def _staged_bytes(files: list[Path], experts: tuple[int, int] | None, num_experts: int) -> int:
+    """Checkpoint bytes the loader holds in host RAM: the files, or with ``experts`` the local share (headers only)."""
+    if experts is None:
+        return sum(p.stat().st_size for p in files)
+    from safetensors import safe_open
+
+    start, stop = experts
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                m = _PER_EXPERT_RE.match(key)
+                if m is not None and not start <= int(m.group(1)) < stop:
+                    continue
+                sl = f.get_slice(key)
+                n = _ST_DTYPE_BYTES.get(sl.get_dtype(), 8) * math.prod(sl.get_shape())
+                total += n * (stop - start) // num_experts if _STACKED_EXPERTS_RE.match(key) else n
+    return total
 
 
 # ------------------------------------------------------------- memory check
@@ -395,7 +502,8 @@ def check_memory(cfg: DSAConfig, dtype, device, *, staged_bytes: int = 0, memory
     return need
 
 
-def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_limit=None) -> DSAForCausalLM:
+def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_limit=None, ep_rank: int = 0,
+                    ep_size: int = 1) -> DSAForCausalLM:
     """Load a local HF checkpoint directory, or build a bundled tiny model by name.
 
     ``dtype``: ``None`` keeps the config's ``torch_dtype`` (float32 for the
@@ -403,14 +511,21 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     Before allocating, the model's bytes are estimated and compared with the
     free memory of ``device`` (host RAM for ``cpu``); ``memory_limit`` (bytes,
     or ``"off"``; default: ``$CPGRAPH_MEMORY_LIMIT``, else detected) overrides.
+    ``ep_rank`` / ``ep_size``: build and read only this expert-parallel
+    rank's routed experts (:func:`_local_experts`); the memory check counts
+    that share only.
     """
     root = Path(path)
     if not root.is_dir():
         if str(path) in bundled_names():
             dt = resolve_dtype(dtype or "float32")
-            check_memory(DSAConfig.from_hf_dict(bundled_config_dict(str(path))), dt, device,
-                         memory_limit=memory_limit, what=f"bundled model {path!r}")
-            return tiny_model(str(path), dtype=dt, seed=seed, device=device)
+            cfg = DSAConfig.from_hf_dict(bundled_config_dict(str(path)))
+            experts = _expert_range(cfg, ep_rank, ep_size)
+            with expert_shard(experts):
+                check_memory(cfg, dt, device, memory_limit=memory_limit, what=f"bundled model {path!r}")
+            # Drawn whole (same seed -> same weights as the unsharded model), then cut.
+            model = tiny_model(str(path), dtype=dt, seed=seed, device=device)
+            return model if experts is None else shard_experts(model, experts)
         raise ValueError(
             f"{path!r} is neither a local checkpoint directory nor a bundled model "
             f"({', '.join(bundled_names())}); cpgraph never downloads weights"
@@ -422,7 +537,11 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     dt = resolve_dtype(dtype or cfg.torch_dtype)
     files = _safetensors_files(root)
     _check_shards(files)
-    check_memory(cfg, dt, device, staged_bytes=sum(p.stat().st_size for p in files), memory_limit=memory_limit,
-                 what=f"checkpoint {root}")
-    model = build_model(cfg, dt, device)
-    return load_state(model, _read_safetensors(files))
+    experts = _expert_range(cfg, ep_rank, ep_size)
+    with expert_shard(experts):
+        check_memory(cfg, dt, device, staged_bytes=_staged_bytes(files, experts, cfg.n_routed_experts),
+                     memory_limit=memory_limit, what=f"checkpoint {root}")
+        model = build_model(cfg, dt, device)
+    if experts is None:
+        return load_state(model, _read_safetensors(files))
+    return load_state(model, _local_experts(_safetensors_entries(files), experts))

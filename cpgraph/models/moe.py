@@ -18,9 +18,21 @@ MoE is given the batch's row windows and counts the real rows (``ke > ks``);
 by the planner's contract real rows form a prefix of the rows, and the CP
 MoE pass keeps that true after compacting (docs/contracts.md).  The count
 stays on the device, so nothing syncs.
+
+Expert parallelism (``docs/expert_parallel.md``): a model built inside
+:func:`expert_shard` (or cut by :func:`shard_experts`) holds only the routed
+experts ``[start, stop)`` of rank ``r`` of ``ep`` (:func:`local_expert_range`);
+router, shared experts and everything else stay whole.  The forward is still
+the single-device one; the compiler's expert-parallel pass sends each row to
+the ranks that hold its experts.  Run eagerly, a shard refuses to compute
+(it would silently drop the routes to experts it does not hold).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -68,17 +80,101 @@ class Router(nn.Module):
         return chosen, w * self.scaling
 
 
+# The expert range that Experts modules built in this context hold (None = all).
+_LOCAL_EXPERTS: ContextVar[tuple[int, int] | None] = ContextVar("cpgraph_local_experts", default=None)
+
+
+def local_expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """Experts ``[start, stop)`` that rank ``ep_rank`` of ``ep_size`` holds: ``E / ep`` consecutive ones.
+
+    The expert-parallel dispatch sends expert ``e`` to rank ``e // (E / ep)``;
+    this is the one place that layout is written down.
+    """
+    for name, v, lo in (("num_experts", num_experts, 1), ("ep_size", ep_size, 1), ("ep_rank", ep_rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"expert parallel: {name} must be an int >= {lo}, got {v!r}")
+    if ep_rank >= ep_size:
+        raise ValueError(f"expert parallel: ep_rank {ep_rank} is outside [0, {ep_size})")
+    if num_experts % ep_size:
+        raise ValueError(
+            f"expert parallel: {num_experts} routed experts do not split evenly over ep={ep_size} ranks"
+        )
+    per_rank = num_experts // ep_size
+    return ep_rank * per_rank, (ep_rank + 1) * per_rank
+
+
+def _check_range(experts, num_experts: int) -> tuple[int, int]:
+    ok = isinstance(experts, (tuple, list)) and len(experts) == 2
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in experts)
+    if not ok or not 0 <= experts[0] < experts[1] <= num_experts:
+        raise ValueError(f"experts must be (start, stop) with 0 <= start < stop <= {num_experts}, got {experts!r}")
+    return int(experts[0]), int(experts[1])
+
+
+@contextmanager
+def expert_shard(experts: tuple[int, int] | None) -> Iterator[None]:
+    """Routed-expert modules built inside hold only experts ``[start, stop)`` (``None``: all).
+
+    Why a context and not a constructor argument: the shard must exist from
+    allocation on (a 690 GB model cannot be built whole and cut afterwards),
+    and the modules that build ``Experts`` know nothing of parallelism.
+    """
+    token = _LOCAL_EXPERTS.set(None if experts is None else tuple(experts))
+    try:
+        yield
+    finally:
+        _LOCAL_EXPERTS.reset(token)
+
+
 class Experts(nn.Module):
-    """Routed experts stored stacked, as transformers 5 does: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+    """Routed experts stored stacked, as transformers 5 does: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
+
+    Under expert parallelism the stacks hold only ``expert_range`` (``E / ep``
+    experts); ``num_experts`` stays the model's ``E``.
+    """
 
     def __init__(self, cfg: DSAConfig):
         super().__init__()
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
-        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        start, stop = _check_range(_LOCAL_EXPERTS.get() or (0, E), E)
+        self.num_experts = E
+        self.expert_range = (start, stop)
+        self.gate_up_proj = nn.Parameter(torch.empty(stop - start, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(stop - start, H, I))
+
+    @property
+    def is_shard(self) -> bool:
+        return self.expert_range != (0, self.num_experts)
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, num_valid: Tensor | None = None) -> Tensor:
+        if self.is_shard and not torch.compiler.is_compiling():
+            start, stop = self.expert_range
+            raise RuntimeError(
+                f"Experts hold experts [{start}, {stop}) of {self.num_experts} (expert parallel); run the model "
+                "through cpgraph.compile with CPConfig(ep=...), which sends rows to the ranks holding their experts"
+            )
         return _ops.moe_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, num_valid)
+
+
+def shard_experts(model: nn.Module, experts: tuple[int, int]) -> nn.Module:
+    """Keep only routed experts ``[start, stop)`` in every ``Experts`` module of ``model`` (in place).
+
+    For models already built whole (a random tiny model, a converted
+    transformers model); the slices are copied so the whole stacks can be
+    freed.  Loading a checkpoint for one rank should build the shard
+    directly instead (``from_pretrained(..., ep_rank=, ep_size=)``).
+    """
+    for module in model.modules():
+        if not isinstance(module, Experts):
+            continue
+        if module.is_shard:
+            raise ValueError(f"shard_experts: the model already holds experts {module.expert_range} only")
+        start, stop = _check_range(experts, module.num_experts)
+        with torch.no_grad():
+            module.gate_up_proj = nn.Parameter(module.gate_up_proj[start:stop].clone())
+            module.down_proj = nn.Parameter(module.down_proj[start:stop].clone())
+        module.expert_range = (start, stop)
+    return model
 
 
 class MoE(nn.Module):
