@@ -26,6 +26,14 @@ class CPConfig:
     full layer's top-k and lose their indexer compute and index-K stores.
     ``moe_modules`` names the module classes whose region the MoE pass
     compacts (valid rows only before the router).
+
+    ``ep``: expert-parallel degree over the CP group, ``1`` (every rank
+    holds every routed expert) or ``cp_size`` (rank ``r`` holds experts
+    ``[r*E/ep, (r+1)*E/ep)`` and the expert-parallel pass sends rows to
+    their experts' ranks).  ``ep_capacity_slots``: pair slots each row may
+    take per destination rank in the dispatch buffers; ``None`` is the
+    worst case ``min(top_k, E/ep)``, with which no route can overflow.
+    See ``docs/expert_parallel.md``.
     """
 
     group: object = None
@@ -33,6 +41,8 @@ class CPConfig:
     disabled_passes: tuple[str, ...] = ()
     index_topk_pattern: str | None = None
     moe_modules: tuple[str, ...] = ("MoE",)
+    ep: int = 1
+    ep_capacity_slots: int | None = None
     group_name: str = field(default="", init=False)
 
     def __post_init__(self):
@@ -56,6 +66,11 @@ class CPConfig:
             raise ValueError(
                 f"CPConfig: index_topk_pattern must be a string of 'F'/'S' starting with 'F', got {pattern!r}"
             )
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep not in (1, self.cp_size):
+            raise ValueError(f"CPConfig: ep must be 1 or cp_size ({self.cp_size}), got {self.ep!r}")
+        slots = self.ep_capacity_slots
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+            raise ValueError(f"CPConfig: ep_capacity_slots must be None or an int >= 1, got {slots!r}")
         object.__setattr__(self, "disabled_passes", tuple(sorted(set(self.disabled_passes))))
         object.__setattr__(self, "moe_modules", tuple(self.moe_modules))
 
