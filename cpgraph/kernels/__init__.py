@@ -34,6 +34,7 @@ def providers() -> dict:
     from . import codecs, materialize, move
     from . import moe
     from . import indexer
+    from . import fp8_linear
 
     return {
         "take_rows": move.take_rows,
@@ -52,6 +53,7 @@ def providers() -> dict:
         "cp_materialize_kv_place": materialize.place_rows,
         "moe_experts": moe.moe_experts,
         **indexer.providers(),
+        "fp8_block_linear": fp8_linear.fp8_block_linear,
     }
 
 

@@ -1,0 +1,272 @@
+"""CUDA provider of ``cpgraph::fp8_block_linear`` (block-scaled FP8 projections).
+
+Two steps, both without host syncs and with static shapes (CUDA-graph safe):
+
+1. :func:`quantize_activations` -- one Triton kernel quantises ``x`` per token
+   per ``block_k`` values exactly as the op's reference does (same e4m3 codes,
+   same fp32 or power-of-two scales, divisions IEEE-rounded), so providers
+   differ from the reference only in the summation order of the GEMM.
+2. the GEMM ``out = sum_kb (xq_kb @ w_kb^T) * xs[:, kb] * ws[n // bn, kb]``:
+
+   * ``scaled_mm``: torch's blockwise-scaled FP8 GEMM
+     (``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` activations
+     and ``BlockWise128x128`` weights, cuBLASLt on SM90 with CUDA >= 12.9).
+     Used when the torch build has it and the shapes fit it (128 x 128
+     blocks, ``N`` and ``K`` multiples of 128, bf16 activations);
+   * ``triton``: :func:`block_scaled_gemm`, an FP8 tensor-core GEMM that
+     multiplies one ``block_k``-wide K slice per step and applies both scales
+     to the fp32 partial product before adding it to the fp32 accumulator
+     (so no FP8 partial sum spans more than one scale block).  Any ``N``,
+     ``K``, ``block_n``; ``block_k`` a power of two in [32, 256].
+
+``CPGRAPH_FP8_LINEAR=auto|scaled_mm|triton`` picks the GEMM (default
+``auto``: ``scaled_mm`` where it applies, else ``triton``); the choice is
+logged once per GEMM kind.  Forcing ``scaled_mm`` where it does not apply
+raises instead of falling back.  See docs/ops/fp8_linear.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from cpgraph.ops.fp8_linear import check_fp8_block_linear, ceil_div
+
+from ._bits import KIND_BF16, KIND_F16, KIND_F32, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
+from ._launch import interpreting
+
+log = logging.getLogger("cpgraph.kernels")
+
+BACKEND_ENV = "CPGRAPH_FP8_LINEAR"
+BACKENDS = ("auto", "scaled_mm", "triton")
+_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
+_LOGGED: set[str] = set()
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info(msg, *args)
+
+
+# ------------------------------------------------------ activation quant
+@triton.jit
+def _quantize_kernel(
+    x, q, scales, M, K, stride_xm, stride_sm, stride_sg,
+    GROUP: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, POW2: tl.constexpr,
+    KIND: tl.constexpr, HW_CAST: tl.constexpr,
+):  # fmt: skip
+    """One ``[ROWS, GROUP]`` tile: per-row amax, scale, e4m3 codes (the reference's arithmetic)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GP)
+    ok_r = rows < M
+    ok = ok_r[:, None] & (cols[None, :] < K) & (tl.arange(0, GP)[None, :] < GROUP)
+    r64 = rows.to(tl.int64)
+    v = load_f32(x + r64[:, None] * stride_xm + cols[None, :], ok, KIND)
+    amax = tl.max(tl.where(ok, tl.abs(v), 0.0), axis=1)
+    if POW2:
+        s = exp2_f32(pow2_exponent(amax))
+    else:
+        s = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    s = tl.where(amax <= 3.4028234663852886e38, s, float("nan"))  # NaN / inf in the group -> NaN scale
+    y = tl.math.div_rn(v, s[:, None])
+    y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))  # comparisons keep NaN as NaN
+    dst = q + r64[:, None] * K + cols[None, :]
+    if HW_CAST:  # round-to-nearest-even conversion on the GPU: the same codes for |y| <= 448
+        tl.store(dst, y.to(tl.float8e4nv), mask=ok)
+    else:
+        tl.store(dst, e4m3_bits(y).to(tl.uint8), mask=ok)
+    tl.store(scales + r64 * stride_sm + g * stride_sg, s, mask=ok_r)
+
+
+def quantize_activations(x: torch.Tensor, group: int, pow2: bool, *, scales_column_major: bool = False):
+    """``(e4m3 [M, K], fp32 scales [M, ceil(K / group)])``, equal to the reference's quantisation.
+
+    ``scales_column_major`` lays the scales out with stride ``(1, M)``, the
+    layout torch's blockwise-scaled GEMM takes for ``BlockWise1x128``.
+    """
+    x = x.contiguous()
+    m, k = x.shape
+    groups = ceil_div(k, group)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if scales_column_major:
+        scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, scales
+    hw = not interpreting()
+    rows = 4 if interpreting() else max(1, min(16, 4096 // triton.next_power_of_2(group)))
+    src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+    _quantize_kernel[(triton.cdiv(m, rows), groups)](
+        src, q if hw else q.view(torch.uint8), scales, m, k, x.stride(0), scales.stride(0), scales.stride(1),
+        GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=_KINDS[x.dtype],
+        HW_CAST=hw, num_warps=4,
+    )  # fmt: skip
+    return q, scales
+
+
+# ------------------------------------------------------------ Triton GEMM
+@triton.jit
+def _k_step(acc, a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk, BK: tl.constexpr):
+    """One ``BK``-wide K block: e4m3 dot (fp32 result), times both block scales, added to ``acc``."""
+    kb = k0 // BK
+    ok_k = (k0 + rk) < K
+    av = tl.load(a_ptrs, mask=ok_m[:, None] & ok_k[None, :], other=0.0)
+    bv = tl.load(b_ptrs, mask=ok_n[:, None] & ok_k[None, :], other=0.0)
+    part = tl.dot(av, tl.trans(bv))
+    sa = tl.load(sa_ptrs + kb * stride_sak, mask=ok_m, other=0.0)
+    sb = tl.load(sb_ptrs + kb, mask=ok_n, other=0.0)
+    return acc + part * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def _gemm_kernel(
+    a, a_scale, b, b_scale, out, M, N, K, stride_sam, stride_sak, n_kb,
+    BLOCK_N_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    OUT_KIND: tl.constexpr, LOOP_WHILE: tl.constexpr,
+):  # fmt: skip
+    """``out[BM, BN]`` tile: per K block, an e4m3 tensor-core dot scaled in fp32 and accumulated."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    # Grouped launch order: GROUP_M row tiles share each weight tile while it is in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    ok_m = rm < M
+    ok_n = rn < N
+    a_ptrs = a + rm.to(tl.int64)[:, None] * K + rk[None, :]
+    b_ptrs = b + rn.to(tl.int64)[:, None] * K + rk[None, :]
+    sa_ptrs = a_scale + rm.to(tl.int64) * stride_sam
+    sb_ptrs = b_scale + (rn // BLOCK_N_Q).to(tl.int64) * n_kb
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if LOOP_WHILE:  # the interpreter cannot take a runtime bound in range()
+        k0 = 0
+        while k0 < K:
+            acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk, BK)
+            k0 += BK
+    else:
+        for k0 in range(0, K, BK):
+            acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk, BK)
+    dst = out + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    store_f32_as(dst, acc, ok_m[:, None] & ok_n[None, :], OUT_KIND)
+
+
+def _tiles(m: int) -> tuple[int, int, int, int]:
+    """``(BM, BN, num_warps, num_stages)``: 128 x 128 tiles with a 4-deep pipeline, 64-row tiles for short inputs."""
+    if interpreting():
+        return 32, 32, 4, 1
+    if m <= 64:
+        return 64, 128, 4, 4
+    return 128, 128, 8, 4
+
+
+def block_scaled_gemm(xq, xs, w, ws, block_n: int, block_k: int, out_dtype, *, tiles=None, group_m: int = 8):
+    """Triton GEMM on quantised operands (``xs`` any strides); ``tiles`` overrides ``(BM, BN, warps, stages)``."""
+    if block_k & (block_k - 1) or not 32 <= block_k <= 256:
+        raise ValueError(
+            f"cpgraph.fp8_block_linear: the Triton GEMM needs block_k a power of two in [32, 256], got {block_k}"
+        )
+    m, k = xq.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    bm, bn, warps, stages = tiles or _tiles(m)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    _gemm_kernel[grid](
+        xq, xs, w.contiguous(), ws.contiguous(), dst, m, n, k, xs.stride(0), xs.stride(1), ws.shape[1],
+        BLOCK_N_Q=block_n, BM=bm, BN=bn, BK=block_k, GROUP_M=group_m, OUT_KIND=_KINDS[out_dtype],
+        LOOP_WHILE=interpreting(),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------ torch scaled_mm
+def scaled_mm_available() -> bool:
+    """Whether this torch build exposes the blockwise-scaled FP8 GEMM API (not whether the GPU runs it)."""
+    F = torch.nn.functional
+    kinds = getattr(F, "ScalingType", None)
+    return hasattr(F, "scaled_mm") and kinds is not None and hasattr(kinds, "BlockWise128x128")
+
+
+def scaled_mm_reason(x, w, block_n: int, block_k: int) -> str | None:
+    """``None`` when :func:`scaled_mm_gemm` applies to these operands, else why not (static facts only)."""
+    if not scaled_mm_available():
+        return "torch has no torch.nn.functional.scaled_mm with BlockWise128x128"
+    if x.device.type != "cuda":
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "blockwise scaling runs on SM90 only"
+    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    if cuda < (12, 9):
+        return f"blockwise scaling needs CUDA >= 12.9, torch is built with {torch.version.cuda}"
+    if (block_n, block_k) != (128, 128):
+        return f"block {block_n}x{block_k} is not 128x128"
+    n, k = w.shape
+    if n % 128 or k % 128:
+        return f"N={n} and K={k} must be multiples of 128"
+    if x.dtype != torch.bfloat16:
+        return f"activations are {x.dtype}, not bfloat16"
+    return None
+
+
+def scaled_mm_gemm(xq, xs, w, ws, out_dtype):
+    """torch's blockwise GEMM: ``xs`` ``[M, K/128]`` with strides ``(1, M)``; ``ws`` padded to ``K/128`` rounded up to 4."""
+    F = torch.nn.functional
+    kb = ws.shape[1]
+    padded = ceil_div(kb, 4) * 4
+    ws_t = torch.nn.functional.pad(ws, (0, padded - kb)).t()  # [L4, N/128], strides (1, L4)
+    return F.scaled_mm(
+        xq, w.t(), xs, F.ScalingType.BlockWise1x128, ws_t, F.ScalingType.BlockWise128x128,
+        swizzle_a=F.SwizzleType.NO_SWIZZLE, swizzle_b=F.SwizzleType.NO_SWIZZLE, output_dtype=out_dtype,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- provider
+def backend() -> str:
+    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    return choice
+
+
+def fp8_block_linear(x, weight, weight_scale_inv, block_n: int, block_k: int, act_scale_pow2: bool):
+    """Provider: quantise activations (Triton), then the GEMM ``CPGRAPH_FP8_LINEAR`` selects."""
+    check_fp8_block_linear(x, weight, weight_scale_inv, block_n, block_k)
+    choice = backend()
+    why_not = scaled_mm_reason(x, weight, block_n, block_k) if choice != "triton" else "forced triton"
+    if choice == "scaled_mm" and why_not is not None:
+        raise ValueError(f"cpgraph.fp8_block_linear: {BACKEND_ENV}=scaled_mm but {why_not}")
+    if why_not is None:
+        _log_once("scaled_mm", "cpgraph::fp8_block_linear GEMM: torch scaled_mm (blockwise 1x128 / 128x128)")
+        xq, xs = quantize_activations(x, block_k, act_scale_pow2, scales_column_major=True)
+        return scaled_mm_gemm(xq, xs, weight, weight_scale_inv, x.dtype)
+    _log_once(f"triton:{why_not}", "cpgraph::fp8_block_linear GEMM: Triton (%s)", why_not)
+    xq, xs = quantize_activations(x, block_k, act_scale_pow2)
+    return block_scaled_gemm(xq, xs, weight, weight_scale_inv, block_n, block_k, x.dtype)
+
+
+__all__ = [
+    "BACKEND_ENV",
+    "block_scaled_gemm",
+    "fp8_block_linear",
+    "quantize_activations",
+    "scaled_mm_available",
+    "scaled_mm_gemm",
+    "scaled_mm_reason",
+]
