@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -116,6 +117,40 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class FP8Quantization:
+    """A block-quantized FP8 checkpoint, as its ``quantization_config`` describes it.
+
+    DeepSeek-V3/V3.2 and GLM-5 FP8 releases store each quantized linear
+    weight ``[out, in]`` as e4m3 plus one fp32 ``weight_scale_inv`` per
+    ``block`` = ``(block_out, block_in)`` tile (dequantised weight =
+    e4m3 * scale), and quantise activations on the fly per token per
+    ``block_in`` values ("dynamic").  ``act_scale_pow2`` is the
+    ``scale_fmt: ue8m0`` recipe: activation scales are rounded up to a power
+    of two.  Which weights are quantized is read from the checkpoint itself
+    (a weight with a ``weight_scale_inv`` sibling); ``modules_to_not_convert``
+    names modules that must not be.  See docs/models.md#fp8-checkpoints.
+    """
+
+    block: tuple[int, int] = (128, 128)
+    act_scale_pow2: bool = False
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def skips(self, module: str) -> bool:
+        """Whether ``module`` (a dotted module name) is listed in ``modules_to_not_convert``.
+
+        Matched the way transformers matches the list, so a checkpoint means
+        the same thing to both: an entry matches from the start of the name
+        up to a module boundary, also as a regular expression (``lm_head``,
+        ``model.layers.*.mlp.gate``), or as a plain suffix
+        (``self_attn.kv_b_proj`` for every layer's ``kv_b_proj``).
+        """
+        return any(
+            re.match(rf"(?:{entry})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(entry)
+            for entry in self.modules_to_not_convert
+        )
+
+
+@dataclass(frozen=True)
 class DSAConfig:
     model_type: str
     vocab_size: int
@@ -148,6 +183,7 @@ class DSAConfig:
     indexer_rope: str
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str = "float32"
+    quantization: FP8Quantization | None = None
 
     # ------------------------------------------------------------ derived
     @property
@@ -190,11 +226,7 @@ class DSAConfig:
         act = get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {_show(act)} is not supported (only 'silu')")
-        if get("quantization_config") is not None:
-            raise ValueError(
-                "quantized checkpoints (quantization_config present) are not supported; "
-                "convert the weights to bf16/fp32 first"
-            )
+        quantization = _quantization(d.get("quantization_config"))
         mlp_types = _mlp_layer_types(r, n_layers)
         indexer_types = _indexer_types(model_type, d, n_layers)
         sparse = "sparse" in mlp_types
@@ -252,6 +284,7 @@ class DSAConfig:
             indexer_rope=INDEXER_ROPE_BY_TYPE[model_type],
             rope=_rope_config(d),
             torch_dtype=str(get("torch_dtype", get("dtype", "bfloat16")) or "bfloat16"),
+            quantization=quantization,
         )
         if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > cfg.index_head_dim:
             raise ValueError("qk_rope_head_dim must be even and <= index_head_dim (the indexer ropes its first dims)")
@@ -326,6 +359,55 @@ def _indexer_types(model_type: str, d: dict, n_layers: int) -> tuple[str, ...]:
     if types and types[0] != "full":
         raise ValueError("layer 0 must run its own indexer: a shared layer reuses the previous layer's top-k")
     return types
+
+
+# Largest quantization block side accepted: the kernels tile K by the block.
+MAX_QUANT_BLOCK = 4096
+
+
+def _quantization(q) -> FP8Quantization | None:
+    """Parse ``quantization_config``: only DeepSeek-style block-scaled FP8 (``quant_method: fp8``) exists here."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"config key quantization_config must be an object, got {_show(q)}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"quantization_config.quant_method {_show(method)} is not supported: only 'fp8' "
+            "(block-scaled e4m3 weights with weight_scale_inv) loads; convert other formats to bf16 first"
+        )
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt must be 'e4m3', got {_show(fmt)}")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(
+            f"quantization_config.activation_scheme must be 'dynamic' (activations quantised per token), got {_show(scheme)}"
+        )
+    block = q.get("weight_block_size", [128, 128])
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_QUANT_BLOCK for b in block)
+    ):
+        raise ValueError(
+            "quantization_config.weight_block_size must be two integers [out, in] in "
+            f"[1, {MAX_QUANT_BLOCK}] (per-tensor FP8 is not supported), got {_show(block)}"
+        )
+    scale_fmt = q.get("scale_fmt") or "float"
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ValueError(f"quantization_config.scale_fmt must be 'ue8m0' or 'float', got {_show(scale_fmt)}")
+    skip = q.get("modules_to_not_convert", q.get("ignored_layers")) or []
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(m, str) and m for m in skip):
+        raise ValueError(f"quantization_config.modules_to_not_convert must be a list of module names, got {_show(skip)}")
+    for entry in skip:
+        try:
+            re.compile(entry)
+        except re.error as exc:
+            raise ValueError(f"quantization_config.modules_to_not_convert entry {_show(entry)} is not a valid pattern: {exc}") from None
+    return FP8Quantization(block=(block[0], block[1]), act_scale_pow2=scale_fmt == "ue8m0",
+                           modules_to_not_convert=tuple(skip))
 
 
 def _rope_config(d: dict) -> RopeConfig:
