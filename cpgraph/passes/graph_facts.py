@@ -11,6 +11,7 @@ from collections import deque
 
 import torch
 import torch.fx as fx
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 
 from .fx_utils import is_op, op_name, op_of
 
@@ -123,3 +124,74 @@ def tensor_val(node) -> torch.Tensor | None:
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
 
+
+
+# ------------------------------------------------------------ buffer versions
+# After functionalisation a mutated buffer (a KV pool) is a chain of values:
+# the graph input, then one new value per mutating op, each produced as
+# ``getitem(auto_functionalized_v2(op, ..., _all_bases=[base, ...]), j)``.
+# A pass that reads a pool must read the value current at its reader, or
+# Inductor cannot write the pool in place (it would copy the whole pool).
+def _returns_before_bases(mutation: fx.Node) -> int:
+    """How many op outputs precede the new bases in an ``auto_functionalized_v2`` result."""
+    returns = getattr(mutation.args[0], "_schema", None)
+    n = len(returns.returns) if returns is not None else 0
+    return n if n > 1 else 1  # a single output, or None, still takes one slot
+
+
+def _is_mutation_of(node: fx.Node, base: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target is auto_functionalized_v2
+        and base in (node.kwargs.get("_all_bases") or ())
+    )
+
+
+def previous_version(value: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(mutation, base)`` when ``value`` is a buffer value a mutating op produced from ``base``; else None."""
+    if value.op != "call_function" or value.target is not operator.getitem:
+        return None
+    mutation, j = value.args
+    if not isinstance(mutation, fx.Node) or mutation.target is not auto_functionalized_v2:
+        return None
+    bases = mutation.kwargs.get("_all_bases") or []
+    k = j - _returns_before_bases(mutation)
+    if not 0 <= k < len(bases):
+        return None
+    return mutation, bases[k]
+
+
+def version_history(value: fx.Node) -> list[fx.Node]:
+    """The mutating ops that produced ``value``, oldest first (empty for an untouched input)."""
+    chain = []
+    step = previous_version(value)
+    while step is not None:
+        chain.append(step[0])
+        step = previous_version(step[1])
+    return chain[::-1]
+
+
+def version_at(value: fx.Node, reader: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
+    """The value of ``value``'s buffer current at ``reader``: follow the mutations placed before it.
+
+    Creates the ``getitem`` of a mutation's new base when the graph has none.
+    Raises :class:`PassMatchError` when one value is mutated twice (the graph
+    is not a functionalised chain).
+    """
+    graph = reader.graph
+    while True:
+        mutations = [u for u in value.users if _is_mutation_of(u, value) and order[u] < order[reader]]
+        if not mutations:
+            return value
+        if len(mutations) > 1:
+            raise PassMatchError(f"buffer value {value.name} is mutated by {len(mutations)} ops: {mutations}")
+        mutation = mutations[0]
+        j = _returns_before_bases(mutation) + list(mutation.kwargs["_all_bases"]).index(value)
+        nxt = [u for u in mutation.users if u.target is operator.getitem and u.args[1] == j]
+        if nxt:
+            value = nxt[0]
+        else:
+            with graph.inserting_after(mutation):
+                value = graph.call_function(operator.getitem, (mutation, j))
+            value.meta["val"] = mutation.meta["val"][j]
+            order[value] = order[mutation]  # placed right after it; only compared against readers

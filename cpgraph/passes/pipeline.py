@@ -11,6 +11,7 @@ from .cleanup import eliminate_dead_code, sort_topologically
 from .compact_moe import compact_moe_rows
 from .gather_outputs import gather_output_rows
 from .index_cache import reuse_shared_topk
+from .kv_in_place import read_kv_in_place
 from .lint import reject_host_syncs
 from .lower_collectives import lower_cp_collectives
 from .shard_kv import materialize_kv_by_owner
@@ -20,6 +21,7 @@ def default_passes():
     return [
         ("reuse_shared_topk", reuse_shared_topk),
         ("materialize_kv_by_owner", materialize_kv_by_owner),
+        ("read_kv_in_place", read_kv_in_place),
         ("compact_moe_rows", compact_moe_rows),
         ("gather_output_rows", gather_output_rows),
         ("lower_cp_collectives", lower_cp_collectives),
