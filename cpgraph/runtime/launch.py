@@ -349,7 +349,9 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
             indices, prompts, prefix = group_prompts(spec, layout.dp, group_id, cfg.vocab_size)
             req = check_request(prompts, prefix, vocab=cfg.vocab_size, page_size=spec.page_size, cp=layout.cp)
             report(f"{len(prompts)} prompt(s); loading {spec.model}")
-            model = from_pretrained(spec.model, dtype=_dtype(spec.dtype))
+            # With EP each rank builds and reads only its routed experts (rank j of the group: shard j).
+            shard = dict(ep_rank=group_rank % layout.ep, ep_size=layout.ep) if layout.ep > 1 else {}
+            model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), **shard)
             kv_layout = make_layout(model, spec.kv_format, spec.page_size)
     except InputError as exc:
         error = one_line(exc)
@@ -377,6 +379,8 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - t0)
+        if n == 0:
+            check_expert_parallel_graph(getattr(compiled, "cpgraph_passes", None), layout.ep)
     logits = res.logits.float().cpu()
     digest = hashlib.sha256(logits.numpy().tobytes()).hexdigest()
     item = dict(rank=env.rank, group=group_id, group_rank=group_rank, indices=indices, tokens=req.prompts,
@@ -390,6 +394,32 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
     if env.rank != 0:
         return None
     return _assemble(gathered, layout, device, spec.backend)
+
+
+EP_DISPATCH_OP = "moe_dispatch"  # what an expert-parallel graph must contain (cpgraph::moe_dispatch)
+
+
+def check_expert_parallel_graph(manager, ep: int) -> None:
+    """With ``ep > 1`` the compiled graph must send rows to their experts' ranks; refuse one that does not.
+
+    Each EP rank holds only ``E / ep`` experts, so a graph without the
+    dispatch would silently drop the other experts' contributions.  The pass
+    manager's last op counts show what the CP passes produced (the same
+    graph on every rank, so every rank decides alike).  When the passes did
+    not run in this process (an FX-graph cache hit) there is nothing to
+    inspect; that is logged.
+    """
+    if ep == 1:
+        return
+    history = getattr(manager, "history", None)
+    if not history:
+        log.warning("cpgraph launch: --ep %d: the CP passes did not run here (compile cache hit); "
+                    "the expert-parallel dispatch could not be checked", ep)
+        return
+    final = history[-1][2]
+    if not any(EP_DISPATCH_OP in str(name) for name in final):
+        raise InputError(f"--ep {ep}: the compiled graph has no expert-parallel dispatch (cpgraph::{EP_DISPATCH_OP});"
+                         " this build cannot run expert parallelism yet, use --ep 1")
 
 
 def _separate_group_caches() -> None:

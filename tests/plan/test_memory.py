@@ -76,6 +76,18 @@ def test_expert_parallelism_splits_only_the_routed_experts():
         mem.weight_bytes(cfg, "bf16", ep=3)
 
 
+@pytest.mark.parametrize("name", ["tiny-glm5", "tiny-deepseek-v32"])
+def test_expert_shard_equals_what_an_ep_rank_allocates(name):
+    from cpgraph.models import moe
+
+    cfg = _cfg(bundled_config_dict(name))
+    for ep in (2, 4):
+        for rank in (0, ep - 1):
+            with moe.expert_shard(moe.local_expert_range(cfg.n_routed_experts, rank, ep)):
+                built = estimate_model_bytes(cfg, torch.float32)
+            assert sum(mem.weight_bytes(cfg, "fp32", ep=ep).values()) == built
+
+
 def test_fp8_weights_are_e4m3_with_block_scales():
     cfg = _cfg(DEEPSEEK_V32)
     bf16, fp8 = mem.weight_bytes(cfg, "bf16"), mem.weight_bytes(cfg, "fp8")

@@ -97,6 +97,21 @@ def test_ep_follows_the_compiler_config():
         assert launch.rank_layout(4, cp=2, ep=2, num_experts=8).ep == 2
 
 
+def test_ep_needs_the_dispatch_in_the_compiled_graph(caplog):
+    """EP ranks hold E/ep experts: a graph without cpgraph::moe_dispatch would silently drop routes."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    without = SimpleNamespace(history=[("compact_moe_rows", Counter(), Counter({"cpgraph.moe_experts.default": 3}))])
+    with_dispatch = SimpleNamespace(history=[("ep", Counter(), Counter({"cpgraph.moe_dispatch.default": 3}))])
+    launch.check_expert_parallel_graph(without, 1)  # nothing to check without EP
+    launch.check_expert_parallel_graph(with_dispatch, 2)
+    with pytest.raises(InputError, match=r"--ep 2: the compiled graph has no expert-parallel dispatch"):
+        launch.check_expert_parallel_graph(without, 2)
+    launch.check_expert_parallel_graph(SimpleNamespace(history=[]), 2)  # cache hit: logged, not checked
+    assert "could not be checked" in caplog.text
+
+
 def test_round_robin_and_per_group_files(tmp_path):
     assert launch.round_robin(5, 2) == [[0, 2, 4], [1, 3]]
     with pytest.raises(InputError, match="1 prompt.* for 2 data-parallel groups"):
