@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import cpgraph.ops.expert_parallel  # noqa: F401  (registers cpgraph::moe_dispatch / moe_combine)
 import cpgraph.ops.moe  # noqa: F401  (registers cpgraph::moe_experts)
 
 from .config import DSAConfig
