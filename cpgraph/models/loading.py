@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .config import DSAConfig, bundled_config_dict, bundled_names
+from . import fp8 as fp8ckpt
 from .model import DecoderLayer, DSAForCausalLM
 from .moe import expert_shard, local_expert_range, shard_experts
 
@@ -268,30 +269,35 @@ def _shard_error(path: Path, exc: Exception) -> ValueError:
     return ValueError(f"{path}: not a valid safetensors file (truncated or corrupt?): {reason}")
 
 
-def _check_shards(files: list[Path]) -> None:
-    """Open every shard's header first: a bad shard fails before any tensor is read."""
+def _catalog(files: list[Path]) -> dict[str, "fp8ckpt.TensorInfo"]:
+    """Every shard's header (names, dtypes, shapes), read before any tensor: a bad shard fails here."""
     from safetensors import safe_open
 
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                f.keys()
-        except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
-            raise _shard_error(path, exc) from None
-
-
-def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
-    from safetensors import safe_open
-
+    out = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    yield key, f.get_tensor(key)
-        except GeneratorExit:
-            raise
+                    sl = f.get_slice(key)
+                    out[key] = fp8ckpt.TensorInfo(sl.get_dtype(), tuple(sl.get_shape()))
+        except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
+            raise _shard_error(path, exc) from None
+    return out
+
+
+def _read_tensors(files: list[Path], names: set[str]) -> dict[str, Tensor]:
+    """Read only ``names`` (small tensors the loader needs before streaming the rest)."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in names.intersection(f.keys()):
+                    out[key] = f.get_tensor(key)
         except Exception as exc:
             raise _shard_error(path, exc) from None
+    return out
 
 
 # --------------------------------------------------- expert-parallel shards
@@ -456,7 +462,8 @@ def _memory_limit(memory_limit):
     return memory_limit
 
 
-def check_memory(cfg: DSAConfig, dtype, device, *, staged_bytes: int = 0, memory_limit=None, what: str = "model") -> int:
+def check_memory(cfg: DSAConfig, dtype, device, *, staged_bytes: int = 0, memory_limit=None, what: str = "model",
+                 saved_bytes: int = 0) -> int:
     """Refuse (``ValueError``) before allocating when the model cannot fit; returns the estimated model bytes.
 
     ``staged_bytes``: checkpoint bytes held in host RAM while loading (the
@@ -464,10 +471,10 @@ def check_memory(cfg: DSAConfig, dtype, device, *, staged_bytes: int = 0, memory
     nothing).  On ``cuda`` the model must fit the device's free memory and the
     staged checkpoint the host's; on ``cpu`` both share host RAM.
     ``memory_limit`` (bytes) replaces the detected amounts; ``"off"`` skips
-    the check.
+    the check.  ``saved_bytes``: what FP8 weights save against ``dtype``.
     """
     limit = _memory_limit(memory_limit)
-    need = estimate_model_bytes(cfg, dtype)
+    need = estimate_model_bytes(cfg, dtype) - saved_bytes  # saved_bytes: FP8 weights kept at 1 byte
     if limit == "off":
         return need
     dev = torch.device(device)
@@ -503,7 +510,7 @@ def check_memory(cfg: DSAConfig, dtype, device, *, staged_bytes: int = 0, memory
 
 
 def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_limit=None, ep_rank: int = 0,
-                    ep_size: int = 1) -> DSAForCausalLM:
+                    ep_size: int = 1, weights: str | None = None) -> DSAForCausalLM:
     """Load a local HF checkpoint directory, or build a bundled tiny model by name.
 
     ``dtype``: ``None`` keeps the config's ``torch_dtype`` (float32 for the
@@ -514,9 +521,18 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     ``ep_rank`` / ``ep_size``: build and read only this expert-parallel
     rank's routed experts (:func:`_local_experts`); the memory check counts
     that share only.
+    ``weights`` (FP8 block-quantized checkpoints, :mod:`.fp8`):
+    ``"dequantize"`` (the default) gives ``dtype`` weights; ``"fp8"`` keeps
+    the e4m3 weights and block scales in :class:`~.fp8.FP8Linear` modules
+    (``kv_b_proj`` and routed experts stay dequantized).  ``"fp8"`` on a
+    checkpoint without FP8 weights raises.
     """
+    if weights not in (None,) + fp8ckpt.WEIGHTS_MODES:
+        raise ValueError(f"weights must be one of {', '.join(fp8ckpt.WEIGHTS_MODES)}, got {weights!r}")
     root = Path(path)
     if not root.is_dir():
+        if weights == "fp8" and str(path) in bundled_names():
+            raise ValueError(f"weights='fp8' needs an FP8 checkpoint; bundled model {str(path)!r} has random dense weights")
         if str(path) in bundled_names():
             dt = resolve_dtype(dtype or "float32")
             cfg = DSAConfig.from_hf_dict(bundled_config_dict(str(path)))
@@ -536,12 +552,35 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     cfg = DSAConfig.from_hf_dict(_read_json(cfg_path))
     dt = resolve_dtype(dtype or cfg.torch_dtype)
     files = _safetensors_files(root)
-    _check_shards(files)
+    catalog = _catalog(files)
+    plan = fp8ckpt.plan_checkpoint(cfg, catalog)
+    if weights == "fp8" and not (plan and plan.scales):
+        raise ValueError(f"weights='fp8' needs an FP8 checkpoint (float8_e4m3fn weights with weight_scale_inv); {root} has none")
     experts = _expert_range(cfg, ep_rank, ep_size)
+
+    def wanted(name: str) -> bool:  # tensors this rank reads (MTP layers and other ranks' experts are skipped)
+        layer = _LAYER_RE.match(name)
+        if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+            return False
+        m = _PER_EXPERT_RE.match(name)
+        return experts is None or m is None or experts[0] <= int(m.group(1)) < experts[1]
+
+    fp8_modules = plan.fp8_modules(cfg) if weights == "fp8" else []
+    keep_fp8 = {m + ".weight" for m in fp8_modules}
+    staged = _staged_bytes(files, experts, cfg.n_routed_experts)
+    saved = 0
+    if plan is not None:
+        staged += fp8ckpt.dequantized_extra_bytes(plan, catalog, keep_fp8, dt, wanted)
+        saved = fp8ckpt.fp8_saved_bytes(plan, catalog, fp8_modules, dt)
     with expert_shard(experts):
-        check_memory(cfg, dt, device, staged_bytes=_staged_bytes(files, experts, cfg.n_routed_experts),
-                     memory_limit=memory_limit, what=f"checkpoint {root}")
+        check_memory(cfg, dt, device, staged_bytes=staged, memory_limit=memory_limit, what=f"checkpoint {root}",
+                     saved_bytes=saved)
         model = build_model(cfg, dt, device)
+    entries = _safetensors_entries(files)
+    if plan is not None:
+        keep_fp8 = fp8ckpt.swap_fp8_linears(model, fp8_modules, plan.quant)
+        scales = _read_tensors(files, set(fp8ckpt.scale_names_to_read(plan, keep_fp8, wanted)))
+        entries = fp8ckpt.dequantized_entries(entries, plan, scales, dt, keep_fp8)
     if experts is None:
-        return load_state(model, _read_safetensors(files))
-    return load_state(model, _local_experts(_safetensors_entries(files), experts))
+        return load_state(model, ((name, read(None)) for name, read in entries))
+    return load_state(model, _local_experts(entries, experts))
