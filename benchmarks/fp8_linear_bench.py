@@ -1,0 +1,154 @@
+"""Block-scaled FP8 projections on one GPU at DeepSeek-V3.2 shapes: ``cpgraph::fp8_block_linear`` vs bf16.
+
+Shapes ``(name, N, K)`` are V3.2's FP8 projections (hidden 7168, q_lora 1536,
+kv_lora 512 + rope 64, 128 heads, expert intermediate 2048): ``q_a``
+7168->1536, ``kv_a`` 7168->576, ``q_b`` 1536->24576, ``o_proj``
+16384->7168, ``wq_b`` (indexer) 1536->8192, ``expert gate_up``
+7168->4096, ``expert down`` 2048->7168; ``M`` (tokens) from 256 to 32K.
+
+Per shape, ``M`` and implementation one row:
+
+* ``ms`` median time (CUDA events; quantisation of the activations included),
+  ``TFLOP/s`` with FLOPs = ``2 * M * N * K``;
+* ``x bf16``: the bf16 GEMM's time / this time (``x @ w.T`` with a bf16
+  ``w``, cuBLAS), same run -- above 1 means FP8 is faster;
+* ``quant ms``: the activation quantisation kernel alone.
+
+Implementations: ``triton`` (cpgraph's Triton GEMM), ``scaled_mm`` (torch's
+blockwise-scaled FP8 GEMM where the build and shape allow it), ``bf16``.
+``--check`` compares each result with the torch reference on the first 256
+rows first.
+
+    python benchmarks/fp8_linear_bench.py --json out.json
+    python benchmarks/fp8_linear_bench.py --rows 256,4096 --shapes q_a,o_proj --sweep   # Triton tile variants
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import torch
+
+SHAPES = {
+    "q_a": (1536, 7168),
+    "kv_a": (576, 7168),
+    "q_b": (128 * 192, 1536),
+    "o_proj": (7168, 128 * 128),
+    "wq_b": (64 * 128, 1536),
+    "expert_gate_up": (2 * 2048, 7168),
+    "expert_down": (7168, 2048),
+}
+ROWS = (256, 1024, 4096, 8192, 16384, 32768)
+# Triton tile variants for --sweep: (BM, BN, num_warps, num_stages).
+SWEEP = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (256, 128, 8, 3)]
+
+
+def time_ms(fn, budget_ms: float = 300.0, min_reps: int = 5, max_reps: int = 100) -> float:
+    """Median of CUDA-event timings, reps chosen to fill ``budget_ms``."""
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    torch.cuda.synchronize()
+    once = max(start.elapsed_time(stop), 1e-3)
+    reps = int(min(max_reps, max(min_reps, budget_ms / once)))
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def make_case(M: int, N: int, K: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    w_bf16 = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    nb, kb = -(-N // 128), -(-K // 128)
+    blocks = torch.nn.functional.pad(w_bf16.float(), (0, kb * 128 - K, 0, nb * 128 - N)).view(nb, 128, kb, 128)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448
+    w = (blocks / scale[:, None, :, None]).view(nb * 128, kb * 128)[:N, :K].clamp(-448, 448).to(torch.float8_e4m3fn)
+    return x, w.contiguous(), scale.contiguous(), w_bf16
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated M values")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {', '.join(SHAPES)}")
+    ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument("--check", action="store_true", help="compare with the torch reference first")
+    ap.add_argument("--sweep", action="store_true", help="also time the Triton tile variants")
+    ap.add_argument("--pow2", type=int, default=1, help="ue8m0 activation scales (1, V3.2's recipe) or fp32 (0)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("fp8_linear_bench: needs a CUDA device", file=sys.stderr)
+        return 2
+    import cpgraph.ops  # noqa: F401
+    from cpgraph.kernels import fp8_linear as kernel
+    from cpgraph.ops.fp8_linear import fp8_block_linear_reference
+
+    rows_list = [int(r) for r in args.rows.split(",")]
+    names = args.shapes.split(",")
+    pow2 = bool(args.pow2)
+    out = []
+    print(f"{'shape':>15} {'M':>6} {'impl':>22} {'ms':>8} {'TFLOP/s':>8} {'x bf16':>7} {'quant ms':>8}")
+    for name in names:
+        N, K = SHAPES[name]
+        for M in rows_list:
+            x, w, ws, w_bf16 = make_case(M, N, K)
+            flops = 2 * M * N * K
+            bf16_ms = time_ms(lambda: x @ w_bf16.t())
+            quant_ms = time_ms(lambda: kernel.quantize_activations(x, 128, pow2))
+            impls = {}
+            impls["triton"] = lambda t=None: kernel.block_scaled_gemm(*kernel.quantize_activations(x, 128, pow2), w, ws,
+                                                                     128, 128, torch.bfloat16, tiles=t)
+            reason = kernel.scaled_mm_reason(x, w, 128, 128)
+            if reason is None:
+                def scaled():
+                    xq, xs = kernel.quantize_activations(x, 128, pow2, scales_column_major=True)
+                    return kernel.scaled_mm_gemm(xq, xs, w, ws, torch.bfloat16)
+                impls["scaled_mm"] = scaled
+            variants = [(k, fn, None) for k, fn in impls.items()]
+            if args.sweep:
+                variants += [(f"triton {t[0]}x{t[1]} w{t[2]} s{t[3]}", impls["triton"], t) for t in SWEEP]
+            rows = [("bf16", bf16_ms, None)]
+            for label, fn, tiles in variants:
+                call = (lambda fn=fn, tiles=tiles: fn(tiles)) if tiles is not None else fn
+                if args.check:
+                    got = call()[:256].float()
+                    want = fp8_block_linear_reference(x[:256].float(), w, ws, 128, 128, pow2)
+                    err = float((got - want).abs().max() / want.abs().max())
+                    if err > 2**-7:
+                        print(f"fp8_linear_bench: {label} {name} M={M}: relative error {err:.2e}", file=sys.stderr)
+                        return 1
+                rows.append((label, time_ms(call), quant_ms))
+            if "scaled_mm" not in impls:
+                print(f"{name:>15} {M:>6} {'scaled_mm skipped':>22}  ({reason})")
+            for label, ms, q in rows:
+                tflops = flops / ms / 1e9
+                qtxt = f"{q:8.3f}" if q is not None else " " * 8
+                print(f"{name:>15} {M:>6} {label:>22} {ms:8.3f} {tflops:8.1f} {bf16_ms / ms:7.2f} {qtxt}")
+                out.append({"shape": name, "N": N, "K": K, "M": M, "impl": label, "ms": ms, "tflops": tflops,
+                            "x_bf16": bf16_ms / ms, "quant_ms": q})
+            del x, w, ws, w_bf16
+            torch.cuda.empty_cache()
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                "python": platform.python_version(), "pow2": pow2,
+                "backend_env": os.environ.get(kernel.BACKEND_ENV, "auto")}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
