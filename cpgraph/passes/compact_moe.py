@@ -24,6 +24,10 @@ The static form keeps every shape independent of data (CUDA-graph capture
 across batches of one bucket); ``num_valid`` stays on the device for
 providers that bound their work.  Rows are row-local through the region, so
 valid rows' outputs are unchanged and dummies come back as exact zeros.
+
+With expert parallelism (``CPConfig.ep > 1``) the pass then wraps the routed
+experts in the dispatch/combine round trip (:mod:`.expert_parallel`): the
+rows sent are the compacted real rows only.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch.fx as fx
 
 from .cleanup import sort_topologically
 from .config import CPConfig
+from .expert_parallel import dispatch_moe_experts
 from .fx_utils import insert_call
 from .graph_facts import PassMatchError, module_regions, order_of, row_windows, tensor_val
 
@@ -62,7 +67,7 @@ def compact_moe_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
     graph = gm.graph
     regions = module_regions(graph, cfg.moe_modules)
     if not regions:
-        return gm
+        return dispatch_moe_experts(gm, cfg)
     windows = row_windows(graph)
     if windows is None:
         raise PassMatchError("MoE regions found but no indexer row windows (ks, ke) to tell real rows from dummies")
@@ -94,4 +99,4 @@ def compact_moe_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
             restored = insert_call(graph, torch.ops.cpgraph.restore_compute_static.default, (y, row_kind))
         for u in outside_users:
             u.replace_input_with(y, restored)
-    return sort_topologically(gm)
+    return dispatch_moe_experts(sort_topologically(gm), cfg)

@@ -72,6 +72,8 @@ class CPConfig:
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise ValueError(f"CPConfig: ep_capacity_slots must be None or an int >= 1, got {slots!r}")
         object.__setattr__(self, "disabled_passes", tuple(sorted(set(self.disabled_passes))))
+        if self.ep > 1 and "compact_moe_rows" in self.disabled_passes:
+            raise ValueError("CPConfig: ep > 1 needs the compact_moe_rows pass (it sends rows to their experts' ranks)")
         object.__setattr__(self, "moe_modules", tuple(self.moe_modules))
 
     def cache_key(self) -> dict:
