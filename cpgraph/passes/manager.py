@@ -43,7 +43,7 @@ def _source_files(fns: Sequence[Callable]) -> list[str]:
             files.add(Path(src).resolve())
     # Helpers every pass uses change behaviour too.
     here = Path(__file__).resolve().parent
-    files |= {here / "fx_utils.py", here / "config.py"}
+    files |= {here / "fx_utils.py", here / "config.py", here / "expert_parallel.py"}
     return sorted(str(f) for f in files)
 
 
