@@ -48,6 +48,18 @@ class EngineResult:
     meta: object | None = None  # extend pass BatchMeta
 
 
+def weight_bytes_per_rank(model) -> int:
+    """Bytes of the weights this rank holds: parameters and buffers, a tied tensor once.
+
+    Under expert parallelism the routed experts count only the local shard
+    (``E / ep`` experts), so this is the weight share of the rank's device
+    memory, the figure to print next to :attr:`EngineResult.kv_bytes`.
+    ``cpgraph.plan.memory.weight_bytes`` predicts it from a config alone.
+    """
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def pool_config(model, kv_format: str, page_size: int, num_pages: int, rank: int = 0) -> KVPoolConfig:
     cfg = model.config
     return KVPoolConfig(
