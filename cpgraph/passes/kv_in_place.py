@@ -110,6 +110,8 @@ class _Layer:
         self.compose = compose if compose is not None and is_op(compose, "cpgraph.kv_compose") else None
         if self.compose is None:
             return
+        if len(attn.args) != 5 or attn.kwargs:
+            raise PassMatchError(f"{attn.name} does not take (q, kv, idx, sm_scale, d_v) positionally")
         k = kv.args[1]
         prefix_rows, current_rows, self.kv_source = self.compose.args[:3]
         self.gather, current = prefix_rows[k], current_rows[k]
