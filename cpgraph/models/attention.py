@@ -15,6 +15,13 @@ Per layer (the model math is in docs/models.md):
   softmax scale ``qk_head_dim^-0.5`` (x yarn mscale^2), values = latents;
   the latent output goes through ``W_UV`` and ``o_proj``.
 
+The forward is written once, in the materialised form above, and that is
+what runs eagerly (the reference).  Where the keys are read from in a
+compiled forward is the compiler's choice: on one device the
+``read_kv_in_place`` pass points sparse MLA at the pool itself with PAGED
+slot ids (``sparse_mla_fp8`` for FP8 records) and drops the per-layer view;
+under CP the view stays (docs/passes.md, "Where sparse MLA reads its keys").
+
 Dense records are ``[latent | k_pe]`` in the model dtype; FP8 records are the
 656-byte format (``mla_fp8_pack`` / ``mla_fp8_unpack``).
 """
