@@ -18,6 +18,11 @@ before any tensor is.  ``from_pretrained`` estimates the model's bytes
 before allocating anything and refuses when they exceed the memory
 available (``memory_limit`` / ``CPGRAPH_MEMORY_LIMIT`` override the
 detected amount; see ``docs/models.md``).
+
+FP8 block-quantized checkpoints (``quantization_config`` with
+``quant_method: fp8``) are checked against their config before any tensor
+is read and loaded dequantized or with e4m3 weights kept
+(``weights="fp8"``); the rules live in :mod:`.fp8`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import Tensor
 from .config import DSAConfig, bundled_config_dict, bundled_names
 from . import fp8 as fp8ckpt
 from .model import DecoderLayer, DSAForCausalLM
+from .layers import RotaryTable
 from .moe import expert_shard, local_expert_range, shard_experts
 
 # Tensors kept in fp32 whatever the requested dtype (transformers does the same).
@@ -509,6 +515,24 @@ def check_memory(cfg: DSAConfig, dtype, device, *, staged_bytes: int = 0, memory
     return need
 
 
+def _materialize(model: DSAForCausalLM, cfg: DSAConfig, device) -> DSAForCausalLM:
+    """Allocate a meta-built model on ``device`` (uninitialised); recompute what loading does not fill.
+
+    Every persistent tensor is then written by :func:`load_state`, which
+    reports any the checkpoint lacks.  The only non-persistent buffer is the
+    RoPE table, rebuilt here; a module that adds another one makes this
+    raise rather than leave it uninitialised.
+    """
+    persistent = set(model.state_dict())
+    derived = sorted(n for n, _ in model.named_buffers() if n not in persistent)
+    if derived != ["model.rotary.inv_freq"]:
+        raise RuntimeError(f"cannot rebuild non-persistent buffers {derived} of a meta-built model")
+    model.to_empty(device=device)
+    with torch.device(device):
+        model.model.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim)
+    return model
+
+
 def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_limit=None, ep_rank: int = 0,
                     ep_size: int = 1, weights: str | None = None) -> DSAForCausalLM:
     """Load a local HF checkpoint directory, or build a bundled tiny model by name.
@@ -575,10 +599,13 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     with expert_shard(experts):
         check_memory(cfg, dt, device, staged_bytes=staged, memory_limit=memory_limit, what=f"checkpoint {root}",
                      saved_bytes=saved)
-        model = build_model(cfg, dt, device)
+        # FP8 modules replace dense ones: build on meta first so the dense weights are never allocated.
+        model = build_model(cfg, dt, "meta" if fp8_modules else device)
+    if fp8_modules:
+        keep_fp8 = fp8ckpt.swap_fp8_linears(model, fp8_modules, plan.quant)
+        model = _materialize(model, cfg, device)
     entries = _safetensors_entries(files)
     if plan is not None:
-        keep_fp8 = fp8ckpt.swap_fp8_linears(model, fp8_modules, plan.quant)
         scales = _read_tensors(files, set(fp8ckpt.scale_names_to_read(plan, keep_fp8, wanted)))
         entries = fp8ckpt.dequantized_entries(entries, plan, scales, dt, keep_fp8)
     if experts is None:
