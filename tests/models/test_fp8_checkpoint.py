@@ -348,3 +348,21 @@ def test_weights_argument_errors(tmp_path, ds_checkpoint):
     hf.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="weights='fp8' needs an FP8 checkpoint"):
         from_pretrained(tmp_path, weights="fp8")
+
+
+@pytest.mark.slow
+def test_fp8_model_compiles_as_one_graph(ds_checkpoint):
+    """FP8Linear is one custom-op node: the whole forward still traces with fullgraph=True and matches eager."""
+    from test_compile import _inputs
+
+    from cpgraph.models.prefill import make_layout
+
+    root, _, _ = ds_checkpoint
+    torch._dynamo.reset()
+    model = from_pretrained(root, dtype=torch.float32, weights="fp8")
+    model.kv_layout = make_layout(model, "bf16", 16)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(*_inputs(model, model.kv_layout, [21, 6]))
+        ref = model(*_inputs(model, model.kv_layout, [21, 6]))
+    assert torch.equal(got.logits, ref.logits)
