@@ -185,6 +185,39 @@ v24 = getitem(v22, 1)""",
         assert pool.args[0] is written
         assert not [u for u in pool.users if u.target in _AUTO_FUNC]
 
+    def test_adds_no_pool_copy_when_inductor_reinplaces(self):
+        """Inductor's reinplacing clones a buffer whose old value is read after a write; the rewrite must not cause one.
+
+        Compared with the unrewritten graph (the captured aot graphs return
+        mutated inputs instead of copying them back, so the first write of
+        an input is cloned in both).  Reading the pool value from before
+        ``kv_layer_written`` would make that event clone the pool: checked too.
+        """
+        from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+        from torch._inductor.fx_utils import FakeTensorUpdater
+
+        def clones(passes, tamper=None):
+            torch._dynamo.reset()
+            gms = []
+            capture = ("capture", lambda gm, c: gms.append(copy.deepcopy(gm)) or gm)
+            compile(attend, backend="aot_eager", passes=passes + [capture])(*layer_inputs(6, 3, 4))
+            gm = gms[0]
+            if tamper:
+                tamper(gm.graph)
+            reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+            return {str(n.args[0]): n.meta["only_clone_these_tensors"] for n in gm.graph.nodes if n.target in _AUTO_FUNC}
+
+        def read_before_written(graph):
+            (attn,) = find_nodes(graph, "cpgraph.sparse_mla")
+            (written,) = [n for n in graph.nodes if n.target in _AUTO_FUNC and "kv_layer_written" in str(n.args[0])]
+            attn.replace_input_with(attn.args[1], written.kwargs["_all_bases"][0])
+
+        rewritten = clones([("read_kv_in_place", read_kv_in_place)])
+        assert rewritten == clones([])
+        assert rewritten["cpgraph.kv_layer_written.default"] == []
+        tampered = clones([("read_kv_in_place", read_kv_in_place)], read_before_written)
+        assert tampered["cpgraph.kv_layer_written.default"] == [0]  # the check can fail
+
     def test_dynamic_shapes(self):
         graphs = []
         passes = [("read_kv_in_place", read_kv_in_place), ("capture", lambda gm, c: graphs.append(gm.graph) or gm)]
@@ -246,6 +279,15 @@ def test_a_materialised_view_that_does_not_match_fails(fn, message):
     with pytest.raises(Exception, match=message) as info:
         compiled(*[t.clone() for t in args])
     assert isinstance(getattr(info.value, "inner_exception", info.value), PassMatchError)
+
+
+def test_keyword_arguments_are_refused_not_misread():
+    gms = []
+    compile(attend, backend="aot_eager", passes=[("capture", lambda gm, c: gms.append(gm) or gm)])(*layer_inputs(7, 2, 3))
+    (attn,) = find_nodes(gms[0].graph, "cpgraph.sparse_mla")
+    attn.args, attn.kwargs = attn.args[:4], {"d_v": attn.args[4]}
+    with pytest.raises(PassMatchError, match="positionally"):
+        read_kv_in_place(gms[0], CPConfig())
 
 
 def test_attention_over_a_plain_tensor_is_left_alone():
