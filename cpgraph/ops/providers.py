@@ -65,6 +65,17 @@ def select(op: str, device_type: str, reference: Callable) -> Callable:
     return fn
 
 
+def selected(device_type: str) -> dict[str, str]:
+    """``{op: provider}`` for every op that has chosen its implementation on ``device_type`` in this process.
+
+    Why: a run's report should name the ops that actually computed (each
+    op calls :func:`select` when it runs, compiled or eager), not every op
+    that exists.  Ops a (un)registration touched since they last ran drop
+    out until they run again.
+    """
+    return {op: active_provider(op, device_type) for op, dev in sorted(_LOGGED) if dev == device_type}
+
+
 def active_provider(op: str, device_type: str) -> str:
     """Name of the provider ``select`` would pick (for reports and tests)."""
     if _forced_reference(op):
