@@ -32,6 +32,8 @@ from cpgraph.passes.lint import host_sync_nodes
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import collective_calls, fake_group, shared_pool  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 H, I = 16, 8
 TOL = 1e-5  # fp32 relative to the largest output: different summation order only
 

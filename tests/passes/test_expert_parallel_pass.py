@@ -31,6 +31,8 @@ from cpgraph.runtime.engine import run_prefill
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import fake_group, shared_pool  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 PAGE = 16
 
 
