@@ -6,8 +6,10 @@ processes (gloo on CPU, NCCL with one rank per GPU for ``device="cuda"``).
 Every rank loads the same model, compiles it once with the CP passes
 (:func:`cpgraph.passes.compile`), and runs the prefill engine as its rank;
 rank 0 also runs the single-device eager reference.  The result holds the CP
-logits (checked identical on every rank), the reference logits, and each
-rank's KV bytes.
+logits (checked identical on every rank), the reference logits, each rank's
+KV and weight bytes, and which provider computed each cpgraph op of the CP
+forward.  Text prompts are encoded here, in the parent
+(:func:`~cpgraph.runtime.inputs.resolve_prompts`); ranks are handed ids.
 
 Ranks report their phases (loading, compiling, timed run, reference,
 comparing) through the result queue as they enter them, so a caller can show
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .inputs import InputError, check_request, model_vocab, one_line
+from .inputs import InputError, check_request, check_weights, model_config, one_line, resolve_prompts
 
 
 @dataclass
@@ -44,6 +46,7 @@ class CPRunSpec:
     device: str = "cpu"
     kv_format: str = "bf16"
     dtype: str | None = None
+    weights: str | None = None  # from_pretrained's weights: None / "dequantize", or "fp8" (FP8 checkpoints)
     backend: str = "inductor"
     page_size: int = 16
     cache: bool = False  # run the prompts twice through the radix cache (CacheEngine)
@@ -67,6 +70,8 @@ class CPRunResult:
     tokens_cached: int = 0  # tokens the timed run took from the prefix cache (only with spec.cache)
     notes: list[str] = field(default_factory=list)
     cache: dict | None = None  # with spec.cache: run_twice's summary (second-pass logits, hits per level)
+    weight_bytes_per_rank: list[int] = field(default_factory=list)  # parameters + buffers each rank's model holds
+    providers: dict[str, str] = field(default_factory=dict)  # op -> provider that computed it in rank 0's CP forward
 
 
 def _free_port() -> int:
@@ -107,7 +112,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
         t0 = time.perf_counter()
         report(f"loading {spec.model}")
         reading_input = True
-        model = from_pretrained(spec.model, dtype=dtype)
+        model = from_pretrained(spec.model, dtype=dtype, weights=spec.weights)
         layout = make_layout(model, spec.kv_format, spec.page_size)
         reading_input = False
         report(f"loaded in {time.perf_counter() - t0:.1f} s")
@@ -142,12 +147,16 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
             seconds = time.perf_counter() - t0
             computed, cached = sum(len(p) for p in spec.prompts), 0
         logits = res.logits.float().cpu()
+        from cpgraph.ops.providers import selected
+        from cpgraph.runtime.engine import weight_bytes_per_rank
+
+        providers = selected(model.device.type)  # before the eager reference: the CP forward's ops only
         report("comparing logits across ranks")
         # Every rank must hold the same logits (the narrow gather hands every rank the owner's row).
         gathered = [torch.empty_like(logits) for _ in range(spec.cp)]
         dist.all_gather_object(gathered, logits)
         stats = [None] * spec.cp
-        dist.all_gather_object(stats, (res.kv_bytes, res.pages_owned))
+        dist.all_gather_object(stats, (res.kv_bytes, res.pages_owned, weight_bytes_per_rank(model)))
         payload = None
         if rank == 0:
             from cpgraph.runtime.engine import run_prefill as reference_run
@@ -170,6 +179,8 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
                 tokens_computed=computed,
                 tokens_cached=cached,
                 cache=cache,
+                weight_bytes_per_rank=[s[2] for s in stats],
+                providers=providers,
             )
         dist.barrier()
         dist.destroy_process_group()
@@ -288,7 +299,10 @@ def run_cp(spec: CPRunSpec, timeout: float = 900.0, progress: Callable[[str], No
     ``progress`` receives one line per rank phase; with ``heartbeat`` also a
     line every ``heartbeat`` seconds while no phase changes.
     """
-    req = check_request(spec.prompts, spec.prefix_lens, vocab=model_vocab(spec.model), page_size=spec.page_size,
+    cfg = model_config(spec.model)
+    check_weights(spec.model, spec.weights, cfg)
+    prompts, _ = resolve_prompts(spec.prompts, spec.model, cfg.vocab_size)
+    req = check_request(prompts, spec.prefix_lens, vocab=cfg.vocab_size, page_size=spec.page_size,
                         cp=spec.cp, device=spec.device)
     spec.prompts, spec.prefix_lens = req.prompts, req.prefix_lens
     ctx = mp.get_context("spawn")

@@ -6,6 +6,8 @@ runs in spawned ranks.  A bad input caught there costs a model compile per
 rank and surfaces as one traceback per process; caught here, in the parent,
 it is one line before anything starts.  The prefill engine calls
 :func:`check_prompts` too, so a library caller gets the same messages.
+Text prompts are encoded here too (:func:`resolve_prompts`), so ranks only
+ever see token ids and a model without a tokenizer fails before loading.
 
 Errors are :class:`InputError` (a ``ValueError``): the CLI turns exactly
 these into ``cpgraph <cmd>: error: <line>`` with exit status 2 and lets any
@@ -107,20 +109,107 @@ def builtin_prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in BUILTIN_PROMPT_LENS]
 
 
-def read_prompts(path: str) -> list[list[int]]:
-    """A prompts file: a non-empty JSON list of token-id lists (the ids are checked by :func:`check_prompts`)."""
+def read_prompts(path: str, *, allow_text: bool = False) -> list:
+    """The prompts in file ``path``: token-id lists, and with ``allow_text`` also texts (``str``).
+
+    Two layouts, told apart by whether the whole file parses as JSON:
+
+    * one JSON array of prompts (any line breaks): ``[[1, 2, 3], [9, 8], "a text"]``;
+    * JSON Lines: one prompt per non-blank line, ``[1, 2, 3]`` or ``"a text"``.
+
+    A prompt is a JSON list of token ids or a JSON string of text; the
+    quotes are what make a line text, so a text line can never be misread
+    as ids (or the reverse), and a text may carry newlines (``\\n``).  A
+    file that is one list of ints or one string is one prompt.  The ids
+    are range-checked later (:func:`check_prompts`); texts go through the
+    checkpoint's tokenizer (:func:`resolve_prompts`).
+    """
     import json
 
     try:
-        with open(path) as f:
-            data = json.load(f)
+        with open(path, encoding="utf-8") as f:
+            body = f.read()
     except OSError as exc:
         raise InputError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"prompts file {path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
-        raise InputError(f"prompts file {path!r} must hold a non-empty JSON list of token-id lists")
-    return data
+    except UnicodeDecodeError as exc:
+        raise InputError(f"prompts file {path!r} is not UTF-8 text: {exc}") from None
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        prompts = []
+        for n, line in enumerate(body.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise InputError(f"prompts file {path!r} line {n} is not JSON ({exc.msg}): write token ids as a "
+                                 'JSON list [1, 2, 3] and text as a JSON string "like this"') from None
+            if not isinstance(prompts[-1], (list, str)):
+                raise InputError(f"prompts file {path!r} line {n} holds a JSON {type(prompts[-1]).__name__}, not a "
+                                 "prompt (a JSON list of token ids or a JSON string)")
+    else:
+        if isinstance(data, str) or (isinstance(data, list) and data
+                                     and not any(isinstance(p, (list, str, dict)) for p in data)):
+            prompts = [data]  # one prompt (a one-line JSON Lines file)
+        elif isinstance(data, list) and all(isinstance(p, (list, str)) for p in data):
+            prompts = data
+        else:
+            raise InputError(f"prompts file {path!r} must hold prompts: a JSON array of token-id lists or strings, "
+                             "or one JSON prompt per line")
+    if not prompts:
+        raise InputError(f"prompts file {path!r} holds no prompts")
+    if not allow_text:
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                raise InputError(f"prompts file {path!r}: prompt {i} is text; this command takes token ids "
+                                 "(a JSON list of ints per prompt)")
+    return prompts
+
+
+def resolve_prompts(prompts: list, model: str, vocab: int):
+    """``(token-id lists, tokenizer or None)``: texts in ``prompts`` encoded by ``model``'s own tokenizer.
+
+    The tokenizer is loaded only when some prompt is text (``str``); a
+    bundled model or a checkpoint without tokenizer files then fails with
+    one line saying that token ids are required.  Token-id prompts pass
+    through unchanged (checked later by :func:`check_prompts`).  Runs in
+    the parent process: CP ranks are handed ids.
+    """
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    if not texts:
+        return prompts, None
+    from cpgraph.models.tokenizer import encode_prompts, load_tokenizer
+
+    with user_input():
+        tok = load_tokenizer(model)
+    out = list(prompts)
+    for i in texts:
+        try:
+            out[i] = encode_prompts(tok, [prompts[i]], vocab_size=vocab)[0]
+        except ValueError as exc:  # its messages number the prompts of the list it was given: one here
+            raise InputError(one_line(exc).replace("prompt 0 ", f"prompt {i} ", 1)) from None
+    return out, tok
+
+
+def check_weights(model: str, weights: str | None, cfg=None) -> None:
+    """``--weights fp8`` needs an FP8 checkpoint: refuse a bundled model or an unquantized config up front.
+
+    ``cfg``: the model's config if already parsed (else read from
+    ``config.json`` by :func:`model_config`).  The loader repeats the full
+    check against the weight files; this one runs before any rank spawns.
+    """
+    from cpgraph.models.config import bundled_names
+
+    if weights in (None, "dequantize"):
+        return
+    if weights != "fp8":
+        raise InputError(f"--weights must be 'dequantize' or 'fp8', got {weights!r}")
+    if str(model) in bundled_names():
+        raise InputError(f"--weights fp8 needs an FP8 checkpoint; bundled model {str(model)!r} has random dense weights")
+    cfg = cfg if cfg is not None else model_config(model)
+    if cfg.quantization is None:
+        raise InputError(f"--weights fp8 needs an FP8 checkpoint; {model}/config.json has no quantization_config")
 
 
 @dataclass
