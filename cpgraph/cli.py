@@ -134,25 +134,83 @@ def _check_run_flags(args: argparse.Namespace) -> None:
             raise InputError("--cache takes cached prefixes from the radix cache; drop --prefix-lens")
         if args.batch_size is not None:
             raise InputError("--batch-size is not supported with --cache (each pass is one batch)")
+    if args.prompt and args.prompts_file:
+        raise InputError("give prompts with --prompt or with --prompts-file, not both")
     if args.cp is None:
-        if args.device != "cpu" or args.backend is not None:
-            raise InputError("--device and --backend apply to CP runs; add --cp N")
+        if args.backend is not None:
+            raise InputError("--backend applies to CP runs (the single-device run is eager); add --cp N")
     elif args.batch_size is not None:
         raise InputError("--batch-size is not supported with --cp (the whole batch is one CP prefill)")
 
 
-def _print_top(args, prompts, prefix, logits) -> list[list[int]]:
-    """Print each prompt's top last-token ids; returns them."""
-    top = logits.topk(min(args.top, logits.shape[1]), dim=-1).indices.tolist()
-    for i, (p, ids) in enumerate(zip(prompts, top)):
-        print(f"prompt {i}: {len(p)} tokens (prefix {prefix[i]}): top ids {ids}")
+class _Prompts:
+    """The run's prompts as token ids, with the texts they came from and the tokenizer that encoded them.
+
+    ``texts[i]`` is ``None`` for a prompt given as ids; ``tokenizer`` is
+    ``None`` when no prompt was text (the top tokens are then printed as
+    ids only).
+    """
+
+    def __init__(self, raw: list, ids: list[list[int]], tokenizer) -> None:
+        self.texts = [p if isinstance(p, str) else None for p in raw]
+        self.ids = ids
+        self.tokenizer = tokenizer
+
+    def decode_each(self, ids: list[int]) -> list[str] | None:
+        """Each id as its own text (``None`` without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        from cpgraph.models.tokenizer import decode_ids
+
+        return decode_ids(self.tokenizer, [[t] for t in ids])
+
+    def label(self, i: int) -> str:
+        text = self.texts[i]
+        if text is None:
+            return f"prompt {i}"
+        return f"prompt {i} {(text if len(text) <= 40 else text[:37] + '...')!r}"
+
+
+def _top_ids(args, logits) -> list[list[int]]:
+    return logits.topk(min(args.top, logits.shape[1]), dim=-1).indices.tolist()
+
+
+def _print_top(args, prompts: _Prompts, prefix, logits) -> list[list[int]]:
+    """Print each prompt's top last-token ids (decoded beside them when the prompts were text); returns them."""
+    top = _top_ids(args, logits)
+    for i, (p, ids) in enumerate(zip(prompts.ids, top)):
+        words = prompts.decode_each(ids)
+        shown = f" = {words}" if words is not None else ""
+        cached = f" (prefix {prefix[i]})" if prefix is not None else ""
+        print(f"{prompts.label(i)}: {len(p)} tokens{cached}: top ids {ids}{shown}")
     return top
 
 
-def _run_payload(args, prompts, prefix, logits, top, **extra) -> dict:
+def _text_payload(prompts: _Prompts, top) -> dict:
+    """``--json`` keys of a run with text prompts: the texts and each top id decoded."""
+    if prompts.tokenizer is None:
+        return {}
+    return {"texts": prompts.texts, "top_text": [prompts.decode_each(ids) for ids in top]}
+
+
+def _run_payload(args, prompts: _Prompts, prefix, logits, top, **extra) -> dict:
     """The ``--json`` document: the same keys with or without ``--cp``, plus run-specific extras."""
-    return {"logits": logits.tolist(), "tokens": prompts, "top_ids": top, "model": str(args.model),
-            "kv_format": args.kv_format, "prefix_lens": prefix, **extra}
+    return {"logits": logits.tolist(), "tokens": prompts.ids, "top_ids": top, "model": str(args.model),
+            "kv_format": args.kv_format, "prefix_lens": prefix, **_text_payload(prompts, top), **extra}
+
+
+def _print_providers(device_type: str, table: dict[str, str]) -> None:
+    """One block: the cpgraph ops that ran, grouped by the provider that computed them."""
+    by: dict[str, list[str]] = {}
+    for op, name in sorted(table.items()):
+        by.setdefault(name, []).append(op)
+    if not by:
+        print(f"op providers on {device_type}: no cpgraph op ran")
+        return
+    print(f"op providers on {device_type} ({len(table)} cpgraph ops ran; CPGRAPH_PROVIDERS=reference forces the "
+          f"torch references):")
+    for name, ops in sorted(by.items()):
+        print(f"  {name}: {', '.join(ops)}")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -160,28 +218,36 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from cpgraph.models import from_pretrained
     from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, make_layout
-    from cpgraph.runtime.inputs import check_batch_flags, check_request, model_vocab
+    from cpgraph.runtime.inputs import (check_batch_flags, check_request, check_weights, model_config,
+                                        resolve_prompts)
 
     progress = _progress(args, "run")
     cp = 1 if args.cp is None else args.cp
     with user_input():
         _check_run_flags(args)
         check_batch_flags(page_size=DEFAULT_PAGE_SIZE, cp=cp, device=args.device, batch_size=args.batch_size)
-        model, loaded = None, None
-        if args.cp is None:
-            t_load = time.perf_counter()
-            model = from_pretrained(args.model, dtype=args.dtype)
-            make_layout(model, args.kv_format, DEFAULT_PAGE_SIZE)  # a KV format the model cannot store
-            loaded = f"loaded {args.model} ({model.config.model_type}) in {time.perf_counter() - t_load:.2f} s"
-            vocab = model.config.vocab_size
+        cfg = model_config(args.model)  # config.json only: prompts and flags are checked before any weight is read
+        check_weights(args.model, args.weights, cfg)
+        if args.prompt:
+            raw = list(args.prompt)
+        elif args.prompts_file:
+            raw = _read_prompts(args.prompts_file, allow_text=True)
         else:
-            vocab = model_vocab(args.model)  # the ranks load the weights; the parent reads the config only
-        prompts = _read_prompts(args.prompts_file) if args.prompts_file else _builtin_prompts(vocab)
-        req = check_request(prompts, args.prefix_lens, vocab=vocab, page_size=DEFAULT_PAGE_SIZE, cp=cp,
+            raw = _builtin_prompts(cfg.vocab_size)
+        ids, tokenizer = resolve_prompts(raw, args.model, cfg.vocab_size)
+        req = check_request(ids, args.prefix_lens, vocab=cfg.vocab_size, page_size=DEFAULT_PAGE_SIZE, cp=cp,
                             device=args.device, batch_size=args.batch_size)
-    if loaded:
-        progress(loaded)
-    prompts, prefix = req.prompts, req.prefix_lens
+        model = None
+        if args.cp is None:  # the ranks load their own weights
+            t_load = time.perf_counter()
+            model = from_pretrained(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
+            make_layout(model, args.kv_format, DEFAULT_PAGE_SIZE)  # a KV format the model cannot store
+            progress(f"loaded {args.model} ({model.config.model_type}) on {args.device} in "
+                     f"{time.perf_counter() - t_load:.2f} s")
+    if args.weights == "fp8" and args.device == "cpu":
+        progress("--weights fp8 on cpu: the FP8 projections run fp8_block_linear's torch reference (slow; the fast "
+                 "FP8 GEMM is CUDA-only)")
+    prompts, prefix = _Prompts(raw, req.prompts, tokenizer), req.prefix_lens
     if args.cp is not None:
         return _run_cp(args, prompts, prefix, progress)
     if args.cache:
@@ -189,35 +255,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return _run_single(args, model, prompts, prefix, progress)
 
 
-def _run_single(args, model, prompts, prefix, progress) -> int:
+def _run_single(args, model, prompts: _Prompts, prefix, progress) -> int:
     import time
 
     import torch
 
     from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, prefill
+    from cpgraph.ops.providers import selected
+    from cpgraph.runtime.engine import weight_bytes_per_rank
 
-    bs = args.batch_size if args.batch_size is not None else len(prompts)
+    ids = prompts.ids
+    bs = args.batch_size if args.batch_size is not None else len(ids)
     logits, kv_bytes = [], 0
     t0 = time.perf_counter()
-    batches = range(0, len(prompts), bs)
+    batches = range(0, len(ids), bs)
     for n, start in enumerate(batches):
         sl = slice(start, start + bs)
         if len(batches) > 1:
-            progress(f"batch {n + 1}/{len(batches)}: prompts {start}..{min(start + bs, len(prompts)) - 1}")
-        res = prefill(model, prompts[sl], prefix_lens=prefix[sl], kv_format=args.kv_format,
+            progress(f"batch {n + 1}/{len(batches)}: prompts {start}..{min(start + bs, len(ids)) - 1}")
+        res = prefill(model, ids[sl], prefix_lens=prefix[sl], kv_format=args.kv_format,
                       page_size=DEFAULT_PAGE_SIZE, progress=progress)
-        logits.append(res.logits)
+        logits.append(res.logits.float().cpu())
         kv_bytes = max(kv_bytes, res.kv_bytes)
     elapsed = time.perf_counter() - t0
     out = torch.cat(logits)
     top = _print_top(args, prompts, prefix, out)
-    tokens = sum(len(p) for p in prompts)
+    tokens = sum(len(p) for p in ids)
+    weight_bytes = weight_bytes_per_rank(model)
     print(
-        f"{len(prompts)} prompts, {tokens} tokens in {elapsed:.3f} s ({tokens / max(elapsed, 1e-9):.0f} tok/s); "
-        f"KV cache {args.kv_format}: {kv_bytes} bytes used (largest batch)"
+        f"{len(ids)} prompts, {tokens} tokens in {elapsed:.3f} s ({tokens / max(elapsed, 1e-9):.0f} tok/s); "
+        f"KV cache {args.kv_format}: {kv_bytes} bytes used (largest batch); weights: {weight_bytes} bytes"
     )
+    providers = selected(model.device.type)
+    _print_providers(model.device.type, providers)
     if args.json:
-        payload = _run_payload(args, prompts, prefix, out, top, kv_bytes=kv_bytes, seconds=elapsed)
+        payload = _run_payload(args, prompts, prefix, out, top, kv_bytes=kv_bytes, weight_bytes=weight_bytes,
+                               weights=args.weights or "dequantize", device=args.device, providers=providers, seconds=elapsed)
         _write_json(args.json, payload, progress)
     return 0
 
@@ -260,18 +333,17 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
     def forward(ids, meta, mla, index, **kw):
         return model(ids, meta, mla, index, layout, **kw)
 
-    pages = default_capacity(prompts, DEFAULT_PAGE_SIZE)
+    pages = default_capacity(prompts.ids, DEFAULT_PAGE_SIZE)
     engine = CacheEngine(forward, model, num_pages=pages, kv_format=args.kv_format, page_size=DEFAULT_PAGE_SIZE,
                          host_pages=pages if args.evict else 0, **_cache_kwargs(args))
-    out = run_twice(engine, prompts, evict=args.evict, progress=progress)
-    top = out["first"].topk(min(args.top, out["first"].shape[1]), dim=-1).indices.tolist()
-    for i, (p, ids) in enumerate(zip(prompts, top)):
-        print(f"prompt {i}: {len(p)} tokens: top ids {ids}")
-    ok = _print_cache(out["hits"], out["evicted_pages"], out["load_misses"], out["second"], out["first"])
+    out = run_twice(engine, prompts.ids, evict=args.evict, progress=progress)
+    first, second = out["first"].float().cpu(), out["second"].float().cpu()
+    top = _print_top(args, prompts, None, first)
+    ok = _print_cache(out["hits"], out["evicted_pages"], out["load_misses"], second, first)
     if args.json:
-        payload = {"logits": out["first"].tolist(), "second_pass_logits": out["second"].tolist(), "tokens": prompts,
+        payload = {"logits": first.tolist(), "second_pass_logits": second.tolist(), "tokens": prompts.ids,
                    "top_ids": top, "model": str(args.model), "kv_format": args.kv_format, "hits": out["hits"],
-                   "evicted_pages": out["evicted_pages"], "hicache": out["hicache"]}
+                   "evicted_pages": out["evicted_pages"], "hicache": out["hicache"], **_text_payload(prompts, top)}
         _write_json(args.json, payload, progress)
     return 0 if ok else 1
 
@@ -297,8 +369,9 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
 
     backend = args.backend or "inductor"
     progress(f"spawning {args.cp} {'NCCL' if args.device == 'cuda' else 'gloo'} rank(s), backend {backend}")
-    spec = CPRunSpec(model=str(args.model), prompts=prompts, prefix_lens=prefix, cp=args.cp, device=args.device,
-                     kv_format=args.kv_format, dtype=args.dtype, backend=backend, page_size=DEFAULT_PAGE_SIZE,
+    spec = CPRunSpec(model=str(args.model), prompts=prompts.ids, prefix_lens=prefix, cp=args.cp, device=args.device,
+                     kv_format=args.kv_format, dtype=args.dtype, weights=args.weights, backend=backend,
+                     page_size=DEFAULT_PAGE_SIZE,
                      cache=args.cache, evict=args.evict, log_level=logging.getLogger("cpgraph").level,
                      **_cache_kwargs(args))
     # On a terminal, a line every 10 s while a rank compiles; in a log, one line per phase.
@@ -311,12 +384,15 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     same = torch.equal(out, res.reference)
     print(cp_timing_line(args.cp, args.device, backend, res))
     print(f"vs single-device eager: max |diff| {diff:.3e} (relative {rel:.3e}){' - bit-identical' if same else ''}")
-    for r, (b, n) in enumerate(zip(res.kv_bytes_per_rank, res.pages_per_rank)):
+    for r, (b, n, w) in enumerate(zip(res.kv_bytes_per_rank, res.pages_per_rank, res.weight_bytes_per_rank)):
         print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(res.replicated_bytes, 1):.3f} of a replicated cache "
-              f"({res.replicated_bytes} bytes)")
+              f"({res.replicated_bytes} bytes); weights {w} bytes")
+    _print_providers(args.device, res.providers)
     if args.json:
         payload = _run_payload(args, prompts, prefix, out, top, cp=args.cp, device=args.device, backend=backend,
                                max_abs_diff_vs_single_device=diff, kv_bytes_per_rank=res.kv_bytes_per_rank,
+                               weight_bytes_per_rank=res.weight_bytes_per_rank, providers=res.providers,
+                               weights=args.weights or "dequantize",
                                replicated_kv_bytes=res.replicated_bytes, seconds=res.seconds,
                                computed_tokens=res.tokens_computed, cached_tokens=res.tokens_cached)
         if res.cache is not None:
@@ -356,7 +432,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if res is None:  # not global rank 0: rank 0 prints the job's results
         return 0
     lay = res.layout
-    top = _print_top(args, res.tokens, res.prefix_lens, res.logits)
+    launched = _Prompts(res.tokens, res.tokens, None)
+    top = _print_top(args, launched, res.prefix_lens, res.logits)
     print(f"world {lay.world_size} = {lay.dp} data-parallel group(s) x CP {lay.cp} (EP {lay.ep}) on {res.device} "
           f"({res.backend})")
     for g in res.groups:
@@ -372,7 +449,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.json:
         import dataclasses
 
-        payload = _run_payload(args, res.tokens, res.prefix_lens, res.logits, top, world_size=lay.world_size,
+        payload = _run_payload(args, launched, res.prefix_lens, res.logits, top, world_size=lay.world_size,
                                cp=lay.cp, ep=lay.ep, dp=lay.dp, device=res.device, backend=res.backend,
                                groups=[dataclasses.asdict(g) for g in res.groups])
         _write_json(args.json, payload, _progress(args, "launch"))
@@ -473,21 +550,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="prefill prompts on a DSA model (one device, or CP with --cp) and print top ids")
     r.add_argument("--model", required=True, help="bundled tiny model name (e.g. tiny-glm5) or a local HF checkpoint dir")
-    r.add_argument("--prompts-file", default=None, help="JSON list of token-id lists (default: built-in prompts)")
+    r.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="a text prompt, encoded by the checkpoint's own tokenizer (repeatable; the top next tokens "
+                        "are printed decoded beside their ids; bundled models have no tokenizer: give token ids)")
+    r.add_argument("--prompts-file", default=None,
+                   help="prompts as one JSON array or one per line (JSON Lines); a prompt is a JSON list of token ids "
+                        "or a JSON string of text (text needs the checkpoint's tokenizer) (default: built-in prompts)")
     r.add_argument("--prefix-lens", type=_int_list, default=None,
                    help="tokens of each prompt to prefill and cache first (multiples of 16), e.g. 64,0")
     r.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
                    help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="model dtype (default: the checkpoint config's; float32 for bundled models)")
+    r.add_argument("--weights", choices=("dequantize", "fp8"), default=None,
+                   help="FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections with "
+                        "their block scales (fp8; on cpu the FP8 matmul is the slow torch reference)")
     r.add_argument("--batch-size", type=int, default=None, help="prompts per forward, >= 1 (default: all at once)")
     r.add_argument("--top", type=int, default=5, help="how many top token ids to print per prompt (default 5)")
-    r.add_argument("--json", default=None, metavar="OUT", help='write {"logits": [...], "tokens": [...]} to OUT')
+    r.add_argument("--json", default=None, metavar="OUT",
+                   help="write logits, tokens, top_ids, KV and weight bytes (per rank with --cp) and providers "
+                        "({op: provider}) to OUT; text prompts add texts and top_text (the top ids decoded)")
     r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     r.add_argument("--cp", type=int, default=None,
                    help="context-parallel run on N ranks (compiled with the CP passes), compared with one device")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="with --cp: cpu = gloo ranks, cuda = NCCL with one rank per GPU (default cpu)")
+                   help="cpu, or cuda: the model on a GPU, cpgraph ops on the CUDA providers cpgraph.kernels "
+                        "registers (the run prints which provider computed each op); with --cp: cpu = gloo ranks, "
+                        "cuda = NCCL with one rank per GPU (default cpu)")
     r.add_argument("--backend", choices=("inductor", "aot_eager"), default=None,
                    help="with --cp: torch.compile backend for the CP forward (default inductor; aot_eager skips "
                         "code generation and is the fast correctness check)")

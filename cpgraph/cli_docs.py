@@ -29,16 +29,18 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
     "run": {
         None: "cpgraph run --model tiny-glm5 --prefix-lens 64,0,0,16 --cp 2",
         "--model": "cpgraph run --model tiny-deepseek-v32",
+        "--prompt": "cpgraph run --model ./GLM-5 --prompt 'The capital of France is' --prompt 'def fib(n):'",
         "--prompts-file": "cpgraph run --model tiny-glm5 --prompts-file prompts.json",
         "--prefix-lens": "cpgraph run --model tiny-glm5 --prefix-lens 64,0,0,16",
         "--kv-format": "cpgraph run --model tiny-deepseek-v32-fp8 --kv-format fp8",
         "--dtype": "cpgraph run --model tiny-glm5 --dtype bfloat16",
+        "--weights": "cpgraph run --model ./DeepSeek-V3.2 --device cuda --dtype bfloat16 --weights fp8",
         "--batch-size": "cpgraph run --model tiny-glm5 --batch-size 2",
         "--top": "cpgraph run --model tiny-glm5 --top 3",
         "--json": "cpgraph run --model tiny-glm5 --json out.json",
         "--quiet": "cpgraph run --model tiny-glm5 --quiet",
         "--cp": "cpgraph run --model tiny-glm5 --cp 2",
-        "--device": "cpgraph run --model tiny-glm5 --cp 2 --device cuda",
+        "--device": "cpgraph run --model tiny-glm5 --device cuda",
         "--backend": "cpgraph run --model tiny-glm5 --cp 2 --backend aot_eager",
         "--cache": "cpgraph run --model tiny-glm5 --cache",
         "--evict": "cpgraph run --model tiny-glm5 --cache --evict",
@@ -109,6 +111,20 @@ Errors: a bad flag, prompt, checkpoint or output path is reported as ONE line on
 compiled. A list value that starts with `-` must be attached with `=`: `--prefix-lens=-16,0`.
 
 `prompts.json` in the examples holds a JSON list of token-id lists, e.g. `[[1, 2, 3, 4], [9, 8, 7]]`.
+
+Text prompts (`cpgraph run` only): `--prompt TEXT`, or strings in the prompts file. The file is either
+one JSON array of prompts or JSON Lines, one prompt per non-blank line; a prompt is a JSON list of
+token ids (`[1, 2, 3]`) or a JSON string of text (`"The capital of France is"`): the quotes are
+what make it text, so a line is never guessed. Text is encoded in the parent process (CP ranks get
+ids) by the checkpoint directory's own tokenizer (transformers' `AutoTokenizer`, local files only,
+no remote code); the top next tokens are then printed decoded beside their ids. A bundled tiny
+model or a checkpoint without tokenizer files takes token ids only (one-line error, exit 2).
+
+`cpgraph run` also reports the bytes of weights each rank holds (parameters + buffers of its model,
+so only its own experts under expert parallelism) next to its KV bytes, and once which provider
+computed each cpgraph op that ran (`reference` = the torch reference; on `cuda` the Triton/FlashMLA
+providers that importing `cpgraph.kernels` registers; `CPGRAPH_PROVIDERS=reference` forces the
+references).
 """
 
 

@@ -24,6 +24,10 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     text = captured.out
     assert "bit-identical" in text and "every rank holds the same logits: True" in text
     assert "rank 1: KV" in text and "of a replicated cache" in text
+    weights = sum(t.numel() * t.element_size() for t in [*tiny_model("tiny-glm5").parameters(),
+                                                         *tiny_model("tiny-glm5").buffers()])
+    assert f"; weights {weights} bytes" in text  # no expert parallelism: each rank holds the whole model
+    assert text.count("op providers on cpu") == 1 and "  reference: " in text
     assert "283 tokens computed" in text
     # progress: each rank's compile, then rank 0's timed passes, in order
     err = captured.err
@@ -36,6 +40,10 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     assert torch.equal(torch.tensor(data["logits"]), ref)
     assert sum(data["kv_bytes_per_rank"]) == data["replicated_kv_bytes"]
     assert data["computed_tokens"] == 283 and data["cached_tokens"] == 0
+    assert data["weight_bytes_per_rank"] == [weights, weights]
+    # the CP forward's ops: the CP row movement and collectives ran too, all on the torch references here
+    assert {"sparse_mla", "paged_store", "compact_valid"} <= data["providers"].keys()
+    assert set(data["providers"].values()) == {"reference"}
 
 
 @pytest.mark.slow
@@ -54,9 +62,16 @@ def test_checkpoint_error_in_the_ranks_is_one_line(tmp_path, capsys):
 
 
 def test_run_cp_rejects_bad_flags(capsys):
-    assert main(["run", "--model", "tiny-glm5", "--device", "cuda"]) == 2
-    assert "apply to CP runs" in capsys.readouterr().err
+    assert main(["run", "--model", "tiny-glm5", "--backend", "aot_eager"]) == 2
+    assert "--backend applies to CP runs" in capsys.readouterr().err
     assert main(["run", "--model", "tiny-glm5", "--cp", "0"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_single_device_cuda_without_a_gpu_is_one_line(capsys):
+    assert main(["run", "--model", "tiny-glm5", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == "cpgraph run: error: --device cuda: no CUDA device is visible\n"
 
 
 class _Script:

@@ -1,13 +1,18 @@
-"""``cpgraph run``: report, JSON output, prompts file, prefix lengths, input errors."""
+"""``cpgraph run``: report, JSON output, prompts file, prefix lengths, text prompts, op providers, weight bytes,
+``--weights``, input errors."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from cpgraph.cli import main
-from cpgraph.models import prefill_logits, tiny_model
+from cpgraph.models import decode_ids, encode_prompts, from_pretrained, load_tokenizer, prefill_logits, tiny_model
+from cpgraph.models.config import bundled_config_dict
+
+from test_tokenizer import WORDS  # the tokenizer test's words (its tokenizer, with one word per remaining id)
 
 
 def test_run_writes_json_matching_prefill_logits(tmp_path, capsys):
@@ -54,3 +59,237 @@ def test_run_input_errors_exit_2(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("cpgraph run: error:") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------------------------- text prompts, providers, weights
+#
+# A tiny checkpoint (tiny-glm5's weights saved as safetensors) with a word-level tokenizer that names every
+# id of the model's vocabulary, so a top id decodes to a word the test can check.
+
+def save_vocab_tokenizer(root, vocab: int) -> None:
+    """A word-level tokenizer over WORDS + w10 .. w{vocab-1} that prepends <s> (id 0), saved like a checkpoint's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = WORDS + [f"w{i}" for i in range(len(WORDS), vocab)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="[UNK]").save_pretrained(str(root))
+
+
+def save_checkpoint(root, *, tokenizer_vocab: int | None = None) -> None:
+    """tiny-glm5 as a checkpoint directory: config.json + model.safetensors (+ a tokenizer of that vocab size)."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(bundled_config_dict("tiny-glm5")))
+    save_file({k: v.contiguous() for k, v in tiny_model("tiny-glm5").state_dict().items()},
+              str(root / "model.safetensors"))
+    if tokenizer_vocab is not None:
+        save_vocab_tokenizer(root, tokenizer_vocab)
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text-ckpt")
+    save_checkpoint(root, tokenizer_vocab=bundled_config_dict("tiny-glm5")["vocab_size"])
+    return root
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Fail the test if the command gets as far as loading weights or spawning ranks."""
+    import cpgraph.models
+    import cpgraph.runtime.cp_run as cp_run
+
+    def reached(*a, **k):
+        raise AssertionError("weights were loaded or ranks spawned for an input error")
+
+    monkeypatch.setattr(cpgraph.models, "from_pretrained", reached)
+    monkeypatch.setattr(cp_run, "run_cp", reached)
+
+
+def one_error_line(capsys, argv) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, (argv, err)
+    assert err.startswith("cpgraph run: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_text_prompts_are_tokenized_and_top_tokens_decoded(text_ckpt, tmp_path, capsys):
+    texts = ["the cache pages are owned", "by one rank"]
+    out = tmp_path / "out.json"
+    rc = main(["run", "--model", str(text_ckpt), "--prompt", texts[0], "--prompt", texts[1], "--top", "3",
+               "--json", str(out), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    tok = load_tokenizer(text_ckpt)
+    ids = encode_prompts(tok, texts)
+    assert ids == [[0, 2, 3, 4, 5, 6], [0, 7, 8, 9]]
+    ref = prefill_logits(from_pretrained(text_ckpt), ids)
+    top = ref.topk(3, dim=-1).indices.tolist()
+    words = [decode_ids(tok, [[t] for t in row]) for row in top]
+    assert all(w for row in words for w in row)  # every id of this vocabulary decodes to a word
+    assert f"prompt 0 'the cache pages are owned': 6 tokens (prefix 0): top ids {top[0]} = {words[0]}" in text
+    assert f"prompt 1 'by one rank': 4 tokens (prefix 0): top ids {top[1]} = {words[1]}" in text
+    data = json.loads(out.read_text())
+    assert data["tokens"] == ids and data["texts"] == texts
+    assert data["top_ids"] == top and data["top_text"] == words
+    assert torch.equal(torch.tensor(data["logits"]), ref)
+
+
+def test_prompts_file_mixes_text_and_ids_line_by_line(text_ckpt, tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('"the cache pages"\n\n[5, 6, 7, 8]\n"owned by\\none rank"\n')
+    out = tmp_path / "out.json"
+    assert main(["run", "--model", str(text_ckpt), "--prompts-file", str(path), "--json", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["tokens"] == [[0, 2, 3, 4], [5, 6, 7, 8], [0, 6, 7, 8, 9]]  # the \n is whitespace to this tokenizer
+    assert data["texts"] == ["the cache pages", None, "owned by\none rank"]
+    assert "prompt 1: 4 tokens" in text and "prompt 2 'owned by\\none rank': 5 tokens" in text
+    # The same prompts as one JSON array give the same run.
+    path.write_text(json.dumps(["the cache pages", [5, 6, 7, 8], "owned by\none rank"], indent=1))
+    assert main(["run", "--model", str(text_ckpt), "--prompts-file", str(path), "--json", str(out), "--quiet"]) == 0
+    assert json.loads(out.read_text())["logits"] == data["logits"]
+
+
+def test_text_prompts_under_cp_are_tokenized_in_the_parent(text_ckpt, monkeypatch, capsys):
+    import cpgraph.runtime.cp_run as cp_run
+
+    seen = {}
+
+    def fake_run_cp(spec, **kw):  # what the ranks would be handed; the logits are the one-device ones
+        seen["spec"] = spec
+        logits = prefill_logits(from_pretrained(text_ckpt), spec.prompts)
+        return cp_run.CPRunResult(logits=logits, reference=logits, kv_bytes_per_rank=[1, 2], pages_per_rank=[1, 1],
+                                  replicated_bytes=3, seconds=1.0, compile_seconds=1.0, ranks_agree=True,
+                                  tokens_computed=9, weight_bytes_per_rank=[7, 7], providers={"sparse_mla": "triton"})
+
+    monkeypatch.setattr(cp_run, "run_cp", fake_run_cp)
+    assert main(["run", "--model", str(text_ckpt), "--prompt", "the cache", "--prompt", "one rank", "--cp", "2",
+                 "--quiet"]) == 0
+    assert seen["spec"].prompts == [[0, 2, 3], [0, 8, 9]]
+    text = capsys.readouterr().out
+    assert "prompt 0 'the cache': 3 tokens (prefix 0): top ids" in text and "] = ['" in text
+    assert "rank 1: KV 2 bytes" in text and "; weights 7 bytes" in text
+    assert "op providers on cpu (1 cpgraph ops ran" in text and "  triton: sparse_mla" in text
+
+
+@pytest.mark.parametrize("cp", [[], ["--cp", "2"]])
+def test_text_without_a_tokenizer_needs_token_ids(tmp_path, capsys, no_load, cp):
+    save_checkpoint(tmp_path)  # weights, no tokenizer files
+    err = one_error_line(capsys, ["run", "--model", str(tmp_path), "--prompt", "the cache", *cp])
+    assert "has no tokenizer files" in err and "give prompts as token ids" in err
+    err = one_error_line(capsys, ["run", "--model", "tiny-glm5", "--prompt", "the cache", *cp])
+    assert "bundled model 'tiny-glm5' has no tokenizer" in err and "give prompts as token ids" in err
+    path = tmp_path / "p.jsonl"
+    path.write_text('[1, 2, 3]\n"the cache"\n')
+    err = one_error_line(capsys, ["run", "--model", "tiny-glm5", "--prompts-file", str(path), *cp])
+    assert "has no tokenizer" in err
+
+
+def test_text_prompt_errors(tmp_path, capsys, no_load):
+    big = tmp_path / "big"
+    save_checkpoint(big, tokenizer_vocab=600)  # a tokenizer with ids past the model's 512
+    err = one_error_line(capsys, ["run", "--model", str(big), "--prompt", "the cache", "--prompt", "w599"])
+    assert "prompt 1 encodes to token id 599, outside the model's vocabulary of 512" in err
+    path = tmp_path / "p.jsonl"
+    for body, needle in [
+        ('"the cache"\nthe cache\n', "line 2 is not JSON"),
+        ('[1, 2]\n42\n', "line 2 holds a JSON int, not a prompt"),
+        ('{"prompts": [[1, 2]]}', "must hold prompts"),
+        ("\n\n", "holds no prompts"),
+    ]:
+        path.write_text(body)
+        assert needle in one_error_line(capsys, ["run", "--model", str(big), "--prompts-file", str(path)])
+    err = one_error_line(capsys, ["run", "--model", str(big), "--prompt", "the", "--prompts-file", str(path)])
+    assert "--prompt or with --prompts-file, not both" in err
+
+
+def test_launch_prompts_file_refuses_text(tmp_path):
+    from cpgraph.runtime.inputs import InputError, read_prompts
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([[1, 2], "the cache"]))
+    with pytest.raises(InputError, match="prompt 1 is text; this command takes token ids"):
+        read_prompts(str(path))
+    assert read_prompts(str(path), allow_text=True) == [[1, 2], "the cache"]
+    path.write_text("[1, 2, 3]")  # one list of ints: one prompt
+    assert read_prompts(str(path)) == [[1, 2, 3]]
+
+
+def test_run_reports_providers_and_weight_bytes(tmp_path, capsys):
+    """On CPU every op that ran says reference; a provider registered for cpu shows up where it computed."""
+    from cpgraph.ops.providers import register_provider, unregister_provider
+    from cpgraph.ops.rows import take_rows_reference
+
+    out = tmp_path / "out.json"
+    assert main(["run", "--model", "tiny-glm5", "--json", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert {"sparse_mla", "paged_store", "paged_gather", "indexer_topk", "moe_experts"} <= data["providers"].keys()
+    assert set(data["providers"].values()) == {"reference"}
+    assert text.count("op providers on cpu") == 1 and "  reference: " in text
+    model = tiny_model("tiny-glm5")
+    expected = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert data["weight_bytes"] == expected and f"weights: {expected} bytes" in text
+    assert data["device"] == "cpu" and data["weights"] == "dequantize"
+
+    calls = []
+
+    def counting_take_rows(x, index):
+        calls.append(1)
+        return take_rows_reference(x, index)
+
+    register_provider("take_rows", "cpu", "counting", counting_take_rows)
+    try:
+        assert main(["run", "--model", "tiny-glm5", "--json", str(out), "--quiet"]) == 0
+    finally:
+        unregister_provider("take_rows", "cpu")
+    assert calls and json.loads(out.read_text())["providers"]["take_rows"] == "counting"
+    assert "  counting: take_rows" in capsys.readouterr().out
+
+
+def test_weight_bytes_follow_the_dtype(capsys, tmp_path):
+    out = tmp_path / "out.json"
+    assert main(["run", "--model", "tiny-glm5", "--dtype", "bfloat16", "--json", str(out), "--quiet"]) == 0
+    model = tiny_model("tiny-glm5", dtype=torch.bfloat16)
+    expected = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert json.loads(out.read_text())["weight_bytes"] == expected
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    from test_fp8_checkpoint import write_fp8_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8-ckpt")
+    write_fp8_checkpoint(root, bundled_config_dict("tiny-glm5"), tiny_model("tiny-glm5").state_dict())
+    return root
+
+
+def test_weights_fp8_keeps_e4m3_projections(fp8_ckpt, tmp_path, capsys):
+    from cpgraph.models.prefill import prefill_logits as logits_of
+
+    out = tmp_path / "out.json"
+    assert main(["run", "--model", str(fp8_ckpt), "--weights", "fp8", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "fp8_block_linear's torch reference (slow" in captured.err
+    data = json.loads(out.read_text())
+    assert data["weights"] == "fp8" and data["providers"]["fp8_block_linear"] == "reference"
+    fp8 = from_pretrained(fp8_ckpt, weights="fp8")
+    dense = from_pretrained(fp8_ckpt)
+    size = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
+    assert data["weight_bytes"] == size(fp8) < size(dense)
+    assert torch.equal(torch.tensor(data["logits"]), logits_of(fp8, data["tokens"]))
+
+
+@pytest.mark.parametrize("cp", [[], ["--cp", "2"]])
+def test_weights_fp8_needs_an_fp8_checkpoint(tmp_path, capsys, no_load, cp):
+    err = one_error_line(capsys, ["run", "--model", "tiny-glm5", "--weights", "fp8", *cp])
+    assert "--weights fp8 needs an FP8 checkpoint; bundled model 'tiny-glm5'" in err
+    save_checkpoint(tmp_path)
+    err = one_error_line(capsys, ["run", "--model", str(tmp_path), "--weights", "fp8", *cp])
+    assert "config.json has no quantization_config" in err
