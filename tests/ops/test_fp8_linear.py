@@ -213,7 +213,11 @@ def test_triton_gemm_matches_reference(M, K, N, block, dtype):
     xq, xs = kq(x, block[1], True)
     got = block_scaled_gemm(xq, xs, w, ws, block[0], block[1], dtype).cpu().float()
     want = fp8_block_linear_reference(x.cpu().float(), w.cpu(), ws.cpu(), block[0], block[1], True)
-    tol = (2**-7 if dtype == torch.bfloat16 else 1e-5) * want.abs().max().item()
+    # fp32 output: the interpreter accumulates each block's FP8 dot exactly in fp32, but Hopper's FP8
+    # tensor-core MMA keeps fewer accumulator bits inside one K block (scales are applied in fp32
+    # between blocks; measured on H200: 5e-4), so on a GPU the bound is 2**-9 of the largest output.
+    exact = 1e-5 if dev == "cpu" else 2**-9
+    tol = (2**-7 if dtype == torch.bfloat16 else exact) * want.abs().max().item()
     assert (got - want).abs().max().item() <= tol
 
 
