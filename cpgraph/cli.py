@@ -326,7 +326,9 @@ def _cache_kwargs(args) -> dict:
 def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
     """``cpgraph run --cache`` on one device: the prompts twice through the radix cache."""
     from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, make_layout
+    from cpgraph.ops.providers import selected
     from cpgraph.runtime.cache_engine import CacheEngine, default_capacity, run_twice
+    from cpgraph.runtime.engine import weight_bytes_per_rank
 
     layout = make_layout(model, args.kv_format, DEFAULT_PAGE_SIZE)
 
@@ -340,10 +342,16 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
     first, second = out["first"].float().cpu(), out["second"].float().cpu()
     top = _print_top(args, prompts, None, first)
     ok = _print_cache(out["hits"], out["evicted_pages"], out["load_misses"], second, first)
+    weight_bytes = weight_bytes_per_rank(model)
+    print(f"KV cache {args.kv_format}: {engine.pool.total_bytes()} bytes allocated; weights: {weight_bytes} bytes")
+    providers = selected(model.device.type)
+    _print_providers(model.device.type, providers)
     if args.json:
         payload = {"logits": first.tolist(), "second_pass_logits": second.tolist(), "tokens": prompts.ids,
                    "top_ids": top, "model": str(args.model), "kv_format": args.kv_format, "hits": out["hits"],
-                   "evicted_pages": out["evicted_pages"], "hicache": out["hicache"], **_text_payload(prompts, top)}
+                   "evicted_pages": out["evicted_pages"], "hicache": out["hicache"], "weight_bytes": weight_bytes,
+                   "kv_pool_bytes": engine.pool.total_bytes(), "weights": args.weights or "dequantize",
+                   "device": args.device, "providers": providers, **_text_payload(prompts, top)}
         _write_json(args.json, payload, progress)
     return 0 if ok else 1
 

@@ -293,3 +293,17 @@ def test_weights_fp8_needs_an_fp8_checkpoint(tmp_path, capsys, no_load, cp):
     save_checkpoint(tmp_path)
     err = one_error_line(capsys, ["run", "--model", str(tmp_path), "--weights", "fp8", *cp])
     assert "config.json has no quantization_config" in err
+
+
+def test_cache_run_reports_text_weights_and_providers(text_ckpt, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["run", "--model", str(text_ckpt), "--cache", "--prompt", "the cache pages are owned by one rank " * 3,
+                 "--top", "2", "--json", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    tok = load_tokenizer(text_ckpt)
+    assert data["top_text"] == [decode_ids(tok, [[t] for t in data["top_ids"][0]])]
+    assert f"= {data['top_text'][0]}" in text and "second pass vs first pass" in text
+    model = from_pretrained(text_ckpt)
+    assert data["weight_bytes"] == sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert data["providers"]["sparse_mla"] == "reference" and "op providers on cpu" in text
