@@ -209,3 +209,18 @@ def test_rank_reads_only_its_experts(checkpoint, monkeypatch):
 def test_uneven_expert_split_is_one_line_error(checkpoint):
     with pytest.raises(ValueError, match=r"^expert parallel: 8 routed experts do not split evenly over ep=3 ranks$"):
         from_pretrained(checkpoint, ep_rank=0, ep_size=3)
+
+
+def test_from_hf_keeps_only_the_local_experts():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from hf_oracle import config_variants, make_pair
+
+    from cpgraph.models import from_hf
+
+    hf, whole = make_pair(dict(config_variants()["glm-a"], num_hidden_layers=2))
+    ref = whole.model.layers[MOE_LAYER].mlp.experts
+    for rank in range(4):
+        mine = from_hf(hf, ep_rank=rank, ep_size=4).model.layers[MOE_LAYER].mlp.experts
+        lo, hi = 2 * rank, 2 * rank + 2
+        assert mine.expert_range == (lo, hi)
+        assert torch.equal(mine.gate_up_proj, ref.gate_up_proj[lo:hi]) and torch.equal(mine.down_proj, ref.down_proj[lo:hi])
