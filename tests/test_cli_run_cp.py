@@ -41,8 +41,8 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     assert sum(data["kv_bytes_per_rank"]) == data["replicated_kv_bytes"]
     assert data["computed_tokens"] == 283 and data["cached_tokens"] == 0
     assert data["weight_bytes_per_rank"] == [weights, weights]
-    # the CP forward's ops: the CP row movement and collectives ran too, all on the torch references here
-    assert {"sparse_mla", "paged_store", "compact_valid"} <= data["providers"].keys()
+    # the CP forward's ops, with the row compaction the CP passes add (a one-device run has none), all references here
+    assert {"sparse_mla", "paged_store", "compact_valid_static", "restore_compute_static"} <= data["providers"].keys()
     assert set(data["providers"].values()) == {"reference"}
 
 
