@@ -77,8 +77,13 @@ class CPConfig:
         object.__setattr__(self, "moe_modules", tuple(self.moe_modules))
 
     def cache_key(self) -> dict:
-        """The fields that change generated code (for ``uuid()``); no rank, no group object."""
+        """The fields that change generated code (for ``uuid()``); no rank, no group object.
+
+        ``group_name`` stays in: the lowered collectives carry the group's name
+        as a constant, so two CP groups of one size in one host (data-parallel
+        replicas) must not share a cached graph, or one group's ranks would run
+        their collectives on the other's process group.
+        """
         d = asdict(self)
         d.pop("group")
-        d.pop("group_name")  # the same graph runs on any group of this size
         return d

@@ -9,8 +9,8 @@ manager runs them in order, skips those named in ``cfg.disabled_passes``,
 records op counts before and after each one (``history``), and, when
 ``CPGRAPH_DUMP_GRAPHS=<dir>`` is set, writes the graph before and after each
 pass there.  Its ``uuid()`` covers the source files of the passes it runs,
-the config and the CP size, so Inductor's FX-graph cache never serves a graph
-compiled under other passes.
+the config, the CP size and the group's name, so Inductor's FX-graph cache
+never serves a graph compiled under other passes or for another group.
 """
 
 from __future__ import annotations

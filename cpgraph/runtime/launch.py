@@ -361,8 +361,6 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
     model.kv_layout = kv_layout
     ep_field = ep_config_field()
     extra = {ep_field: layout.ep} if ep_field is not None else {}
-    if layout.dp > 1 and spec.backend == "inductor":
-        _separate_group_caches()
     compiled = compile(model, CPConfig(group=group, cp_size=layout.cp, **extra), backend=spec.backend, dynamic=True)
 
     def forward(ids, meta, mla, index, **kw):
@@ -422,20 +420,6 @@ def check_expert_parallel_graph(manager, ep: int) -> None:
                          " this build cannot run expert parallelism yet, use --ep 1")
 
 
-def _separate_group_caches() -> None:
-    """Turn off Inductor's FX-graph and AOT caches: two CP groups must not share a compiled graph.
-
-    The CP passes write the group's *name* into the graph, but the pass
-    manager's cache key leaves it out (it is meant to be rank-independent),
-    so with a warm cache group 1 could load group 0's code and run its
-    collectives on group 0's process group.
-    """
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = False
-    functorch_config.enable_autograd_cache = False
-    log.info("cpgraph launch: several CP groups compile with inductor; FX-graph and AOT caches are off")
 
 
 def _assemble(items: Sequence[dict], layout: RankLayout, device, backend: str) -> LaunchResult:

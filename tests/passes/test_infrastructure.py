@@ -118,8 +118,9 @@ def test_uuid_stable_and_sensitive():
     assert base.uuid() != build_pass_manager(CPConfig(disabled_passes=("sort_topologically",))).uuid()
     assert base.uuid() != build_pass_manager(CPConfig(index_topk_pattern="FS")).uuid()
     assert base.uuid() != build_pass_manager(CPConfig(moe_modules=("MoE", "SparseMoeBlock"))).uuid()
-    # The group's identity does not change code: same size, other name -> same uuid.
-    assert build_pass_manager(CPConfig(group="a", cp_size=2)).uuid() == build_pass_manager(CPConfig(group="b", cp_size=2)).uuid()
+    # The lowered collectives name their group: two groups of one size must not share a cached graph.
+    assert build_pass_manager(CPConfig(group="a", cp_size=2)).uuid() != build_pass_manager(CPConfig(group="b", cp_size=2)).uuid()
+    assert build_pass_manager(CPConfig(group="a", cp_size=2)).uuid() == build_pass_manager(CPConfig(group="a", cp_size=2)).uuid()
 
     class Absorbed:
         def __init__(self, tag):
