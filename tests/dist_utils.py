@@ -6,8 +6,11 @@ server that imported torch once.  :class:`DistPool` keeps ``N`` ranks
 alive, each in a gloo process group; a test sends it a module-level function
 and gets back every rank's return value::
 
-    pool = shared_pool(2)                  # cached per world size for the session
+    pool = shared_pool(2)                  # cached per (world size, timeout) for the session
     results = pool.run(check_something, case_args)   # calls check_something(ctx, case_args) on each rank
+
+``pool.submit(...)`` starts the same job and returns at once (``.result()``
+waits), so two pools can work at the same time.
 
 ``ctx`` is a :class:`RankContext` (rank, world_size, group_name).  The
 function must be importable by name (defined at module level of a test
@@ -147,16 +150,28 @@ class DistPool:
     # -------------------------------------------------------------------- run
     def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list:
         """Call ``fn(ctx, *args, **kwargs)`` on every rank; return results in rank order."""
+        return self.submit(fn, *args, **kwargs).result()
+
+    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> "PendingJob":
+        """Start ``fn(ctx, *args, **kwargs)`` on every rank and return at once.
+
+        The ranks work while the caller does something else (typically a job
+        on another pool: on a 2-core machine two pools of one busy rank each
+        finish sooner than one after the other); ``.result()`` waits for the
+        ranks and returns or raises exactly like :meth:`run`.
+        """
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
         self._job_id += 1
-        job_id = self._job_id
         for q in self._jobs:
-            q.put((job_id, fn, args, kwargs))
+            q.put((self._job_id, fn, args, kwargs))
         # The first job also waits for the interpreters to start and rendezvous.
         wait = self.timeout_s + (self.start_timeout_s if self._first_job else 0)
         self._first_job = False
+        return PendingJob(self, self._job_id, getattr(fn, "__name__", str(fn)), wait)
+
+    def _collect(self, job_id: int, name: str, wait: float) -> list:
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         while len(out) + len(errors) < self.world_size:
@@ -170,7 +185,7 @@ class DistPool:
         if errors or len(out) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
             self.close()  # ranks may be stuck in a collective: restart next time
-            msg = [f"distributed job {getattr(fn, '__name__', fn)} failed on {self.world_size} ranks"]
+            msg = [f"distributed job {name} failed on {self.world_size} ranks"]
             msg += [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
             if missing:
                 msg.append(f"ranks {missing} did not answer (stuck or dead)")
@@ -178,15 +193,41 @@ class DistPool:
         return [out[r] for r in range(self.world_size)]
 
 
-_POOLS: dict[int, DistPool] = {}
+@dataclass
+class PendingJob:
+    """A job started by :meth:`DistPool.submit`; :meth:`result` waits for every rank's answer."""
+
+    pool: DistPool
+    job_id: int
+    name: str
+    wait_s: float
+
+    def result(self) -> list:
+        return self.pool._collect(self.job_id, self.name, self.wait_s)
 
 
-def shared_pool(world_size: int) -> DistPool:
-    """A process-wide pool per world size, shared by every test module of the session."""
-    pool = _POOLS.get(world_size)
+_POOLS: dict[tuple[int, float], DistPool] = {}
+
+
+def shared_pool(world_size: int, timeout_s: float = 60.0) -> DistPool:
+    """A process-wide pool per ``(world_size, timeout_s)``, shared by every test module of the session.
+
+    Ranks keep what they built between jobs (a compiled model in a module-level
+    cache), so modules that ask for the same pool also share those compiles;
+    the CP model tests ask for a long timeout (a peer may be compiling while
+    this rank waits in a collective) and so get ranks of their own.
+    """
+    key = (world_size, float(timeout_s))
+    pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[world_size] = DistPool(world_size)
+        pool = _POOLS[key] = DistPool(world_size, timeout_s=timeout_s)
     return pool
+
+
+def close_shared_pools(timeout_s: float) -> None:
+    """Stop the shared pools made with ``timeout_s`` (their ranks hold compiled models: memory)."""
+    for key in [k for k in _POOLS if k[1] == float(timeout_s)]:
+        _POOLS.pop(key).close()
 
 
 @atexit.register
