@@ -1,13 +1,15 @@
 """Cache-hit CP prefill on gloo (2 and 4 ranks): prefill, evict to L2, load back, extend == single device.
 
-Each rank compiles the model once with the CP passes (aot_eager) and drives a
-:class:`CacheEngine` through: a cold bs>1 batch whose requests share an
-uncached prefix, the same batch again (L1 hits), an eviction of everything to
-L2, the batch again (owner-preserving load-back), and a batch of longer
-prompts that extend cached ones and share cached prefix pages.  Rank 0 runs
-the single-device eager reference (cold, no cache).  After every step the
-tree fingerprints are compared across ranks (one collective) and every L1
-node is checked to hold pages exactly where this rank is the saved owner.
+Each rank compiles the model once with the CP passes (aot_eager; the model and
+its compile are ``tests/cp_model.py``'s, shared with ``test_cp_numerics`` when
+both run on the same ranks) and drives a :class:`CacheEngine` through: a cold
+bs>1 batch whose requests share an uncached prefix, the same batch again (L1
+hits), an eviction of everything to L2, the batch again (owner-preserving
+load-back), and a batch of longer prompts that extend cached ones and share
+cached prefix pages.  Rank 0 runs the single-device eager reference (cold, no
+cache).  After every step the tree fingerprints are compared across ranks (one
+collective) and every L1 node is checked to hold pages exactly where this rank
+is the saved owner.
 """
 
 from __future__ import annotations
@@ -20,12 +22,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dist_utils import DistPool  # noqa: E402
+from cp_model import CP_TIMEOUT_S, PAGE  # noqa: E402
+from dist_utils import close_shared_pools, shared_pool  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-PAGE = 16
-_STATE: dict = {}
 
 
 def _prompts():
@@ -41,22 +41,6 @@ def _prompts():
     return first, second
 
 
-def _state(ctx):
-    if "cp" not in _STATE:
-        from cpgraph.models import from_pretrained
-        from cpgraph.models.prefill import make_layout
-        from cpgraph.passes import CPConfig, compile
-
-        torch._inductor.config.fx_graph_cache = False
-        torch._dynamo.config.recompile_limit = 64
-        model = from_pretrained("tiny-glm5").eval()
-        model.kv_layout = make_layout(model, "bf16", PAGE)
-        _STATE["model"] = model
-        _STATE["cp"] = compile(model, CPConfig(group=ctx.group_name, cp_size=ctx.world_size), backend="aot_eager",
-                               dynamic=True)
-    return _STATE["model"], _STATE["cp"]
-
-
 def _owner_check(engine, rank):
     for node in engine.tree.nodes():
         if node.device_pages is not None:
@@ -64,17 +48,15 @@ def _owner_check(engine, rank):
 
 
 def job_cache(ctx, layout):
+    from cp_model import compiled_cp, eager_forward, model_pair
+
     from cpgraph.runtime.cache_engine import CacheEngine
     from cpgraph.runtime.engine import run_prefill
     from cpgraph.runtime.radix import check_consistent
 
-    model, cp = _state(ctx)
-
-    def forward(ids, meta, mla, index, **kw):
-        return cp(ids, meta, mla, index, **kw)
-
-    eng = CacheEngine(forward, model, num_pages=24, page_size=PAGE, rank=ctx.rank, cp_size=ctx.world_size,
-                      host_pages=24, host_layout=layout, write_policy="write_back")
+    _, model = model_pair()
+    eng = CacheEngine(compiled_cp(ctx, "aot_eager"), model, num_pages=24, page_size=PAGE, rank=ctx.rank,
+                      cp_size=ctx.world_size, host_pages=24, host_layout=layout, write_policy="write_back")
     first, second = _prompts()
     out = {}
 
@@ -99,31 +81,20 @@ def job_cache(ctx, layout):
     out["owned_in_tree"] = sum(int((n.device_pages >= 0).sum()) for n in eng.tree.nodes() if n.on_device)
     out["lane_used"] = int(eng.device.ledger.used[ctx.rank])
     if ctx.rank == 0:
-        def eager(ids, meta, mla, index, **kw):
-            return model(ids, meta, mla, index, **kw)
-
+        eager = eager_forward()
         out["ref_first"] = run_prefill(eager, model, first, page_size=PAGE).logits.numpy()
         out["ref_second"] = run_prefill(eager, model, second, page_size=PAGE).logits.numpy()
     return out
 
 
-_POOLS: dict = {}
-
-
-def _pool(world):
-    if world not in _POOLS:
-        _POOLS[world] = DistPool(world, timeout_s=300.0)
-    return _POOLS[world]
-
-
 def teardown_module(module):
-    for p in _POOLS.values():
-        p.close()
+    # The last module of the suite on the CP ranks: free their memory for the rest of the run.
+    close_shared_pools(CP_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world,layout", [(2, "layer_page_first"), (4, "page_first")])
 def test_cache_hit_cp_equals_single_device(world, layout):
-    results = _pool(world).run(job_cache, layout)
+    results = shared_pool(world, CP_TIMEOUT_S).run(job_cache, layout)
     r0 = results[0]
     for r in results[1:]:  # every rank returns the same logits and the same hit accounting
         for name in ("cold", "device", "host", "extend"):
