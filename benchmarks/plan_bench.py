@@ -1,4 +1,4 @@
-"""Planner cost at the field notes' production shape: 10 requests x 100K tokens, cp=8, page 64.
+"""Planner cost at a production-sized batch: 10 requests x 100K tokens, cp=8, page 64.
 
 Times building the plan and ONE rank's device bundle on CPU (what each rank does once per batch),
 with and without the global rerange index, and compares it with the batch's prefill token count.
