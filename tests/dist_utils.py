@@ -41,9 +41,13 @@ import torch.multiprocessing as mp
 # Modules the fork server imports once; every rank is then forked from it
 # already holding them (importing torch in each of 4 fresh interpreters on 2
 # cores costs ~7 s; forking costs milliseconds).  The fork server itself never
-# runs torch code, so forking it is safe.
+# runs torch code, so forking it is safe.  The transformers models (~5 CPU
+# seconds to import) and the model and compiler packages serve the ranks of
+# the CP model tests, which build a model with a transformers twin.
 PRELOAD = [
     "torch", "torch.distributed", "torch.testing", "numpy", "pytest", "hypothesis", "cpgraph.ops", "cpgraph.plan",
+    "cpgraph.models", "cpgraph.passes", "cpgraph.runtime.engine",
+    "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "transformers.models.deepseek_v32.modeling_deepseek_v32",
 ]
 
 
