@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpgraph.models import DSAConfig, KVLayout, build_batch, build_model, init_random
-from cpgraph.models.config import bundled_config_dict
+from cpgraph.models import KVLayout, build_batch, tiny_model
 from cpgraph.models.prefill import make_layout
 from cpgraph.plan import plan_prefill
 from cpgraph.runtime.kv_pool import KVPool, KVPoolConfig
-
-
-def _two_layer_model(name):
-    """The bundled tiny model cut to two layers: a dense and a MoE layer (GLM-5's second shares the first's top-k)."""
-    d = dict(bundled_config_dict(name), num_hidden_layers=2)
-    return init_random(build_model(DSAConfig.from_hf_dict(d)), seed=0, std=float(d.get("initializer_range", 0.02)))
 
 
 def _inputs(model, layout: KVLayout, lens):
@@ -38,7 +31,7 @@ def _inputs(model, layout: KVLayout, lens):
 @pytest.mark.parametrize("name,fmt", [("tiny-glm5", "bf16"), ("tiny-deepseek-v32-fp8", "fp8")])
 def test_forward_compiles_fullgraph_and_matches_eager(name, fmt):
     torch._dynamo.reset()
-    model = _two_layer_model(name)  # compile time grows with the layers; two hold every layer kind
+    model = tiny_model(name)
     model.kv_layout = make_layout(model, fmt, 16)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
