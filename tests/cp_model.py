@@ -46,26 +46,37 @@ def model_pair():
     return _BUILT["pair"]
 
 
+def use_numerics_compile_settings() -> None:
+    """Process-wide compile settings for a rank process of tests that compare numerics, not compiles.
+
+    Call it in a spawned rank (it changes global torch config), before the
+    first call of a ``dynamic=True`` compiled model.
+    """
+    import torch.fx.experimental._config
+
+    # Every compile runs the passes (no FX-cache hit from an earlier configuration).
+    torch._inductor.config.fx_graph_cache = False
+    # The model's floats (norm eps, softmax and index scales) are constants.  Traced as dynamic
+    # SymFloats (``dynamic=True``'s default), one of them cannot stay symbolic and Dynamo
+    # restarts, tracing every graph twice: half of the compile time, for graphs that compute
+    # the same values.
+    torch._dynamo.config.specialize_float = True
+    # Duck sizing gives dims of equal size one symbol: a rank whose pool happens to have 48 rows
+    # (the MLA record width) gets a graph specialized to that pool size and recompiles on the
+    # next batch.  Without duck sizing a rank compiles only the graphs its batches need (prefix
+    # or not, empty pools on idle ranks).
+    torch.fx.experimental._config.use_duck_shape = False
+    # The CP and one-device wrappers share the forward's code object and its recompile budget.
+    torch._dynamo.config.recompile_limit = 64
+
+
 def compiled(backend: str, group: str | None = None, cp_size: int = 1):
     """The model compiled with cpgraph's passes (``dynamic=True``), once per process and configuration."""
     key = (backend, group, cp_size)
     if key not in _BUILT:
         from cpgraph.passes import CPConfig, compile
 
-        # Every compile runs the passes (no FX-cache hit from an earlier configuration).
-        torch._inductor.config.fx_graph_cache = False
-        # The model's floats (norm eps, softmax and index scales) are constants.  Traced as dynamic
-        # SymFloats (``dynamic=True``'s default), one of them cannot stay symbolic and Dynamo
-        # restarts, tracing every graph twice: half of these tests' compile time for graphs that
-        # compute the same values.
-        torch._dynamo.config.specialize_float = True
-        # Duck sizing gives dims of equal size one symbol: a rank whose pool happens to have 48 rows
-        # (the MLA record width) gets a graph specialized to that pool size and recompiles on the
-        # next batch.  These tests compare numerics, not recompiles; without duck sizing each rank
-        # compiles only the graphs its batches need (prefix or not, empty pools on idle ranks).
-        torch.fx.experimental._config.use_duck_shape = False
-        # The CP and one-device wrappers share the forward's code object and its recompile budget.
-        torch._dynamo.config.recompile_limit = 64
+        use_numerics_compile_settings()
         _, model = model_pair()
         cp = CPConfig(group=group, cp_size=cp_size) if cp_size > 1 else CPConfig()
         fn = compile(model, cp, backend=backend, dynamic=True)
