@@ -83,6 +83,71 @@ class BatchMeta:
 pytree.register_dataclass(BatchMeta)
 
 
+@dataclass
+class DraftInputs:
+    """What the MTP draft needs beyond :class:`BatchMeta`: each row's *next* token (one rank's view).
+
+    * ``next_ids [M]``: the token at position + 1 of the row's request, from
+      the prompt (host); 0 for dummy rows and for rows that are their
+      request's last prompt token;
+    * ``last_of [M]``: request index ``b`` for a row that is request ``b``'s
+      last prompt token (its next token is the one the target samples), else -1;
+    * ``sampled [B]``: the target's sampled token of each request (a device
+      tensor produced after the target's forward; any value where unused).
+
+    Built per rank from the plan by :func:`build_draft_inputs`; the row
+    layout is exactly ``build_batch``'s, so the draft's rows are the rows
+    the target computed on this rank (CP-local).
+    """
+
+    next_ids: Tensor
+    last_of: Tensor
+    sampled: Tensor
+
+    def to(self, device) -> "DraftInputs":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+pytree.register_dataclass(DraftInputs)
+
+
+def build_draft_inputs(plan: CPPlan, prompts: Sequence[Sequence[int]], sampled: Tensor | None = None,
+                       device=None, *, rank: int = 0) -> DraftInputs:
+    """Rank ``rank``'s :class:`DraftInputs` of a planned batch.
+
+    ``prompts[i]``: request i's *whole* token list known so far (prefix and
+    extend), so a row whose position + 1 lies inside it takes that token and
+    a row at the prompt's end is marked for the sampled token.  A pass that
+    ends before the prompt does (the cached-prefix pass) needs no sampled
+    token.  ``sampled``: ``[B]`` ids (default zeros).
+    """
+    B = plan.num_requests
+    if len(prompts) != B:
+        raise ValueError(f"prompts ({len(prompts)}) and the plan ({B} requests) must describe the same requests")
+    rp = plan.rank(rank, rerange=True)
+    req = rp.req_index.numpy()
+    pos = rp.positions.numpy()
+    valid = rp.token_index.numpy() >= 0
+    next_ids = np.zeros(req.shape[0], dtype=np.int64)
+    last_of = np.full(req.shape[0], -1, dtype=np.int64)
+    ends = (plan.prefix_lens + plan.extend_lens).tolist()  # sync-ok: host-side numpy, once per batch
+    for i in range(B):
+        full = np.asarray(prompts[i], dtype=np.int64)
+        if full.shape[0] < ends[i]:
+            raise ValueError(f"request {i}: prompt has {full.shape[0]} tokens, the plan computes up to {ends[i]}")
+        rows = np.flatnonzero(valid & (req == i))
+        nxt = pos[rows] + 1
+        inside = nxt < full.shape[0]
+        next_ids[rows[inside]] = full[nxt[inside]]
+        last_of[rows[~inside]] = i
+    if sampled is None:
+        sampled = torch.zeros(B, dtype=torch.int64)
+    elif sampled.shape != (B,):
+        raise ValueError(f"sampled must hold one token per request, shape ({B},), got {tuple(sampled.shape)}")
+    out = DraftInputs(torch.from_numpy(next_ids), torch.from_numpy(last_of), sampled.to(torch.int64))
+    return out.to(device) if device is not None else out
+
+
 def build_batch(
     plan: CPPlan,
     tokens: Sequence[Sequence[int]],

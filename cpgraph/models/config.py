@@ -184,6 +184,9 @@ class DSAConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str = "float32"
     quantization: FP8Quantization | None = None
+    # Multi-token-prediction (draft) layers the checkpoint carries after the
+    # target stack, as ``model.layers.{num_hidden_layers + k}.*`` (docs/mtp.md).
+    num_nextn_predict_layers: int = 0
 
     # ------------------------------------------------------------ derived
     @property
@@ -194,6 +197,11 @@ class DSAConfig:
     def kv_record_dim(self) -> int:
         """Width of a dense MLA cache record ``[latent | k_pe]``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def draft_layer(self) -> int:
+        """Logical layer id of the MTP draft layer (its checkpoint index and its KV pool layer)."""
+        return self.num_hidden_layers
 
     @property
     def indexer_layers(self) -> tuple[int, ...]:
@@ -285,6 +293,7 @@ class DSAConfig:
             rope=_rope_config(d),
             torch_dtype=str(get("torch_dtype", get("dtype", "bfloat16")) or "bfloat16"),
             quantization=quantization,
+            num_nextn_predict_layers=r.int("num_nextn_predict_layers", 0, minimum=0),
         )
         if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > cfg.index_head_dim:
             raise ValueError("qk_rope_head_dim must be even and <= index_head_dim (the indexer ropes its first dims)")

@@ -9,7 +9,9 @@ checkpoints store per expert (``mlp.experts.<j>.{gate,up,down}_proj.weight``)
 and transformers/cpgraph store stacked (``mlp.experts.gate_up_proj [E, 2I,
 H]``, ``mlp.experts.down_proj [E, H, I]``); both layouts are accepted.
 Multi-token-prediction layers (index >= ``num_hidden_layers``) are skipped,
-as transformers does.  Any mismatch raises a single :class:`WeightLoadError`
+as transformers does, unless the model was built with ``draft=True``: then
+layer ``num_hidden_layers`` loads into the draft (:mod:`.mtp`, names mapped
+by :func:`.mtp.checkpoint_name`) and its absence is an error.  Any mismatch raises a single :class:`WeightLoadError`
 listing every missing, unexpected and mis-shaped tensor.
 
 Checkpoint files are untrusted input: an index may only name shards inside
@@ -44,6 +46,7 @@ from . import fp8 as fp8ckpt
 from .model import DecoderLayer, DSAForCausalLM
 from .layers import RotaryTable
 from .moe import expert_shard, local_expert_range, shard_experts
+from .mtp import checkpoint_name as draft_checkpoint_name
 
 # Tensors kept in fp32 whatever the requested dtype (transformers does the same).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -81,11 +84,11 @@ def _keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES)
 
 
-def build_model(cfg: DSAConfig, dtype=torch.float32, device="cpu") -> DSAForCausalLM:
-    """An uninitialised model in ``dtype`` (fp32-kept tensors stay fp32)."""
+def build_model(cfg: DSAConfig, dtype=torch.float32, device="cpu", *, draft: bool = False) -> DSAForCausalLM:
+    """An uninitialised model in ``dtype`` (fp32-kept tensors stay fp32); ``draft``: with the MTP layer."""
     dtype = resolve_dtype(dtype)
     with torch.device(device):
-        model = DSAForCausalLM(cfg)
+        model = DSAForCausalLM(cfg, draft=draft)
     for name, p in model.named_parameters():
         if not _keeps_fp32(name):
             p.data = p.data.to(dtype)
@@ -117,11 +120,15 @@ def init_random(model: DSAForCausalLM, seed: int = 0, std: float = 0.02) -> DSAF
     return model
 
 
-def tiny_model(name: str, dtype=torch.float32, seed: int = 0, device="cpu") -> DSAForCausalLM:
-    """A bundled tiny config (see :func:`bundled_names`) with seeded random weights."""
+def tiny_model(name: str, dtype=torch.float32, seed: int = 0, device="cpu", *, draft: bool = False) -> DSAForCausalLM:
+    """A bundled tiny config (see :func:`bundled_names`) with seeded random weights.
+
+    ``draft=True`` adds a random MTP draft layer; its tensors sort after the
+    target's, so the target's weights are the same with or without it.
+    """
     d = bundled_config_dict(name)
     cfg = DSAConfig.from_hf_dict(d)
-    model = build_model(cfg, dtype, device)
+    model = build_model(cfg, dtype, device, draft=draft)
     return init_random(model, seed=seed, std=float(d.get("initializer_range", 0.02)))
 
 
@@ -172,10 +179,18 @@ def load_state(model: DSAForCausalLM, named: Iterable[tuple[str, Tensor]]) -> DS
     expected = _expected(model)
     seen: dict[str, Tensor] = {}
     unexpected, mis_shaped, wrong = [], [], set()
+    draft = getattr(model, "has_draft", False)
+    draft_seen = False
     for name, t in _stack_experts(named, cfg):
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
-            continue  # multi-token-prediction layers: not part of the prefill model
+            mapped = draft_checkpoint_name(cfg, name) if draft else None
+            if mapped is None:
+                continue  # multi-token-prediction layers the model does not hold
+            draft_seen = True
+            if not mapped:
+                continue  # the draft's copy of the shared embedding / head: the target's is used
+            name = mapped
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name not in expected:
@@ -187,6 +202,10 @@ def load_state(model: DSAForCausalLM, named: Iterable[tuple[str, Tensor]]) -> DS
             wrong.add(name)
             continue
         seen[name] = t
+    if draft and not draft_seen:
+        raise ValueError(
+            f"draft=True but the checkpoint has no MTP layer (no model.layers.{cfg.draft_layer}.* tensors)"
+        )
     missing = [n for n in expected if n not in seen and n not in wrong]
     if cfg.tie_word_embeddings and "lm_head.weight" in missing and "model.embed_tokens.weight" in seen:
         missing.remove("lm_head.weight")
@@ -202,16 +221,20 @@ def load_state(model: DSAForCausalLM, named: Iterable[tuple[str, Tensor]]) -> DS
 
 
 # ---------------------------------------------------------------- sources
-def from_hf(hf_model, dtype=None, device="cpu", *, ep_rank: int = 0, ep_size: int = 1) -> DSAForCausalLM:
+def from_hf(hf_model, dtype=None, device="cpu", *, ep_rank: int = 0, ep_size: int = 1,
+            draft: bool = False) -> DSAForCausalLM:
     """Convert an in-memory ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM``.
 
     ``ep_rank`` / ``ep_size``: keep only this expert-parallel rank's routed
-    experts (``docs/expert_parallel.md``).
+    experts (``docs/expert_parallel.md``).  ``draft=True`` raises: transformers
+    drops the MTP layer, so an in-memory model never holds one.
     """
     config = getattr(hf_model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"from_hf expects a transformers model with a .config, got {type(hf_model).__name__}")
     cfg = DSAConfig.from_hf_dict(config.to_dict())
+    if draft:
+        raise ValueError("draft=True: transformers models drop the MTP layer; load the checkpoint with from_pretrained")
     if dtype is None:
         dtype = next(p.dtype for n, p in hf_model.named_parameters() if not _keeps_fp32(n))
     experts = _expert_range(cfg, ep_rank, ep_size)
@@ -534,7 +557,7 @@ def _materialize(model: DSAForCausalLM, cfg: DSAConfig, device) -> DSAForCausalL
 
 
 def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_limit=None, ep_rank: int = 0,
-                    ep_size: int = 1, weights: str | None = None) -> DSAForCausalLM:
+                    ep_size: int = 1, weights: str | None = None, draft: bool = False) -> DSAForCausalLM:
     """Load a local HF checkpoint directory, or build a bundled tiny model by name.
 
     ``dtype``: ``None`` keeps the config's ``torch_dtype`` (float32 for the
@@ -550,6 +573,9 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     the e4m3 weights and block scales in :class:`~.fp8.FP8Linear` modules
     (``kv_b_proj`` and routed experts stay dequantized).  ``"fp8"`` on a
     checkpoint without FP8 weights raises.
+    ``draft=True`` also loads the MTP draft layer (``model.layers.{N}.*``,
+    docs/mtp.md); a checkpoint without one raises.  Bundled models get a
+    seeded random draft layer.
     """
     if weights not in (None,) + fp8ckpt.WEIGHTS_MODES:
         raise ValueError(f"weights must be one of {', '.join(fp8ckpt.WEIGHTS_MODES)}, got {weights!r}")
@@ -564,7 +590,7 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
             with expert_shard(experts):
                 check_memory(cfg, dt, device, memory_limit=memory_limit, what=f"bundled model {path!r}")
             # Drawn whole (same seed -> same weights as the unsharded model), then cut.
-            model = tiny_model(str(path), dtype=dt, seed=seed, device=device)
+            model = tiny_model(str(path), dtype=dt, seed=seed, device=device, draft=draft)
             return model if experts is None else shard_experts(model, experts)
         raise ValueError(
             f"{path!r} is neither a local checkpoint directory nor a bundled model "
@@ -574,6 +600,8 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     if not cfg_path.is_file():
         raise ValueError(f"{root} has no config.json")
     cfg = DSAConfig.from_hf_dict(_read_json(cfg_path))
+    if draft and cfg.num_nextn_predict_layers < 1:
+        raise ValueError(f"draft=True but {cfg_path} declares no MTP layer (num_nextn_predict_layers is 0 or absent)")
     dt = resolve_dtype(dtype or cfg.torch_dtype)
     files = _safetensors_files(root)
     catalog = _catalog(files)
@@ -585,7 +613,8 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     def wanted(name: str) -> bool:  # tensors this rank reads (MTP layers and other ranks' experts are skipped)
         layer = _LAYER_RE.match(name)
         if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
-            return False
+            if not (draft and int(layer.group(1)) == cfg.draft_layer):
+                return False
         m = _PER_EXPERT_RE.match(name)
         return experts is None or m is None or experts[0] <= int(m.group(1)) < experts[1]
 
@@ -600,7 +629,7 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
         check_memory(cfg, dt, device, staged_bytes=staged, memory_limit=memory_limit, what=f"checkpoint {root}",
                      saved_bytes=saved)
         # FP8 modules replace dense ones: build on meta first so the dense weights are never allocated.
-        model = build_model(cfg, dt, "meta" if fp8_modules else device)
+        model = build_model(cfg, dt, "meta" if fp8_modules else device, draft=draft)
     if fp8_modules:
         keep_fp8 = fp8ckpt.swap_fp8_linears(model, fp8_modules, plan.quant)
         model = _materialize(model, cfg, device)

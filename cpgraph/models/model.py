@@ -19,6 +19,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor, nn
 
+import cpgraph.ops.row_scope  # noqa: F401
 import cpgraph.ops.rows  # noqa: F401
 
 from .attention import MLAttention
@@ -34,6 +35,9 @@ class ForwardOutput(NamedTuple):
     logits: Tensor  # fp32 [B, vocab]
     hidden: Tensor | None  # final-normed hidden states [T, hidden] of every extend token, global order
     topk: list[Tensor] | None  # per layer int32 [M, index_topk], full-view row ids
+    # Final-normed hidden state of every compute row [M, hidden], CP-local (this
+    # rank's rows, the plan's row layout): what the MTP draft consumes.
+    local_hidden: Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -68,7 +72,7 @@ class DSABody(nn.Module):
 class DSAForCausalLM(nn.Module):
     """Both architectures; ``config.model_type`` only changes the indexer RoPE style and IndexCache."""
 
-    def __init__(self, cfg: DSAConfig):
+    def __init__(self, cfg: DSAConfig, draft: bool = False):
         super().__init__()
         self.config = cfg
         self.model = DSABody(cfg)
@@ -79,6 +83,24 @@ class DSAForCausalLM(nn.Module):
         # attribute its ints are graph constants even under ``dynamic=True``
         # (ints passed as forward arguments would become symbolic).
         self.kv_layout = KVLayout()
+        # The MTP draft layer (checkpoint ``model.layers.{num_hidden_layers}.*``),
+        # built only when asked for; see cpgraph/models/mtp.py.
+        if draft:
+            from .mtp import MTPLayer
+
+            self.mtp = MTPLayer(cfg)
+
+    @property
+    def has_draft(self) -> bool:
+        return hasattr(self, "mtp")
+
+    def draft_module(self):
+        """The draft forward as its own module (a second compiled graph; docs/mtp.md)."""
+        from .mtp import DraftModel
+
+        if not self.has_draft:
+            raise ValueError("this model has no MTP draft layer: build or load it with draft=True")
+        return DraftModel(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -97,11 +119,15 @@ class DSAForCausalLM(nn.Module):
         layout: KVLayout | None = None,
         return_hidden: bool = False,
         return_topk: bool = False,
+        return_local_hidden: bool = False,
     ) -> ForwardOutput:
         """Run the batch; ``mla_pools[layer]`` and ``index_pools[j]`` (j-th indexer layer) are written in place.
 
         ``layout`` defaults to ``self.kv_layout`` (set that attribute instead of
         passing ``layout`` when compiling with ``dynamic=True``).
+        ``return_local_hidden``: also return every compute row's final-normed
+        hidden state where it was computed (CP-local, no gather), for the draft.
+        Every returned tensor states its row scope (``cpgraph::row_scope``).
         """
         cfg = self.config
         layout = self.kv_layout if layout is None else layout
@@ -124,8 +150,10 @@ class DSAForCausalLM(nn.Module):
             if return_topk:
                 all_topk.append(topk)
         last = _ops.take_rows(x, meta.last_token_index)
-        logits = self.lm_head(body.norm(last)).float()
+        logits = _ops.row_scope(self.lm_head(body.norm(last)).float(), "global")
         # All hidden states: valid tokens only, in global order (under CP the
         # output pass turns this row selection into the rerange).
-        hidden = _ops.take_rows(body.norm(x), meta.rerange_index) if return_hidden else None
-        return ForwardOutput(logits, hidden, all_topk if return_topk else None)
+        hidden = _ops.row_scope(_ops.take_rows(body.norm(x), meta.rerange_index), "global") if return_hidden else None
+        local = _ops.row_scope(body.norm(x), "local") if return_local_hidden else None
+        topk_out = [_ops.row_scope(t, "local") for t in all_topk] if return_topk else None
+        return ForwardOutput(logits, hidden, topk_out, local)

@@ -195,3 +195,121 @@ def version_at(value: fx.Node, reader: fx.Node, order: dict[fx.Node, int]) -> fx
                 value = graph.call_function(operator.getitem, (mutation, j))
             value.meta["val"] = mutation.meta["val"][j]
             order[value] = order[mutation]  # placed right after it; only compared against readers
+
+
+# ------------------------------------------------------------ row scopes
+# Whether a tensor's rows are this rank's compute rows ("local") or rows every
+# rank holds alike ("global") is stated by the model with ``cpgraph::row_scope``
+# (cpgraph/ops/row_scope.py) at its boundaries, never inferred from a shape:
+# with static padding and several requests a local ``[M, ...]`` can have the
+# length of a global ``[B, ...]`` or ``[T, ...]``.  The pass manager checks the
+# statements (:func:`read_row_scopes`) before any pass runs, records each in
+# ``node.meta[ROW_SCOPE]`` of the tensor it describes, and removes the ops.
+ROW_SCOPE = "cpgraph_row_scope"
+_ROW_SCOPE_OP = "cpgraph.row_scope"
+
+
+def _top_level(node: fx.Node) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return len(stack) <= 1  # Dynamo records the root module itself as the outermost entry (or nothing)
+
+
+def output_row_selections(graph: fx.Graph) -> list[fx.Node]:
+    """Top-level ``take_rows`` by a graph-input index: the selections the output pass turns into CP gathers."""
+    return [
+        n
+        for n in graph.nodes
+        if is_op(n, "cpgraph.take_rows") and _top_level(n) and isinstance(n.args[1], fx.Node)
+        and n.args[1].op == "placeholder"
+    ]
+
+
+def _graph_outputs(graph: fx.Graph) -> list[fx.Node]:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    found: list[fx.Node] = []
+    fx.node.map_arg(out.args, lambda n: found.append(n))
+    # Mutated buffers (KV pools) come back as new versions of graph inputs: state, not rows.
+    return [n for n in found if tensor_val(n) is not None and n.op != "placeholder" and previous_version(n) is None]
+
+
+def _reaches(starts, stop: set, targets: set) -> fx.Node | None:
+    """A node of ``targets`` reachable from ``starts`` along users without passing a node of ``stop``."""
+    seen, queue = set(), deque(starts)
+    while queue:
+        n = queue.popleft()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in targets:
+            return n
+        if n in stop:
+            continue
+        queue.extend(n.users)
+    return None
+
+
+def read_row_scopes(gm: fx.GraphModule, cp_size: int) -> dict[str, str]:
+    """Check the model's row-scope statements, record them in node metadata, drop the marker ops.
+
+    Returns ``{node name: scope}`` of the described tensors.  Raises
+    :class:`PassMatchError` where a pass would otherwise have to guess:
+
+    * a CP graph with output row selections but no statement at all;
+    * a graph with statements whose outputs are not all stated;
+    * an output row selection (which the output pass turns into a CP gather)
+      that feeds no output stated "global";
+    * a "global" output computed from "local" rows without passing such a selection;
+    * a "local" output computed from a selection's (gathered) rows.
+    """
+    graph = gm.graph
+    markers = [n for n in graph.nodes if is_op(n, _ROW_SCOPE_OP)]
+    selections = output_row_selections(graph)
+    if not markers:
+        if cp_size > 1 and selections:
+            raise PassMatchError(
+                f"CP graph selects output rows ({', '.join(n.name for n in selections)}) but states no row "
+                "scope (cpgraph::row_scope): the output pass would have to guess which outputs are CP-local"
+            )
+        return {}
+    scopes: dict[fx.Node, str] = {}
+    for m in markers:
+        scope = m.args[1] if len(m.args) > 1 else m.kwargs.get("scope")
+        if scope not in ("local", "global"):
+            raise PassMatchError(f"row_scope {m.name} states scope {scope!r}; expected 'local' or 'global'")
+        scopes[m] = scope
+    unstated = [n.name for n in _graph_outputs(graph) if n not in scopes]
+    if unstated:
+        raise PassMatchError(
+            f"graph outputs {unstated} state no row scope (cpgraph::row_scope); a pass cannot tell CP-local rows "
+            "from global ones"
+        )
+    local = {m for m, s in scopes.items() if s == "local"}
+    glob = {m for m, s in scopes.items() if s == "global"}
+    sel = set(selections)
+    for s in selections:
+        if _reaches([s], set(), glob) is None:
+            raise PassMatchError(
+                f"output row selection {s.name} feeds no output stated 'global': cannot tell whether it is a CP gather"
+            )
+        bad = _reaches([s], set(), local)
+        if bad is not None:
+            raise PassMatchError(f"output {bad.name} is stated 'local' but is computed from gathered rows ({s.name})")
+    for m in local:
+        bad = _reaches(list(m.users), sel, glob)
+        if bad is not None:
+            raise PassMatchError(
+                f"output {bad.name} is stated 'global' but is computed from local rows ({m.name}) without a row selection"
+            )
+    described = {}
+    for m, scope in scopes.items():
+        src = m.args[0]
+        src.meta[ROW_SCOPE] = scope
+        described[src.name] = scope
+        m.replace_all_uses_with(src)
+        graph.erase_node(m)
+    return described
+
+
+def row_scope_of(node: fx.Node) -> str | None:
+    """The row scope the model stated for ``node`` ("local" / "global"), or ``None`` if it stated none."""
+    return node.meta.get(ROW_SCOPE)

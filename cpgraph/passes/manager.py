@@ -8,7 +8,9 @@ A pass is a plain function ``fn(gm, cfg) -> gm`` named as a verb.  The
 manager runs them in order, skips those named in ``cfg.disabled_passes``,
 records op counts before and after each one (``history``), and, when
 ``CPGRAPH_DUMP_GRAPHS=<dir>`` is set, writes the graph before and after each
-pass there.  Its ``uuid()`` covers the source files of the passes it runs,
+pass there.  Before the passes it checks the row scopes the model states
+(``graph_facts.read_row_scopes``): a graph where a pass would have to guess
+whether rows are CP-local or global fails there.  Its ``uuid()`` covers the source files of the passes it runs,
 the config, the CP size and the group's name, so Inductor's FX-graph cache
 never serves a graph compiled under other passes or for another group.
 """
@@ -29,6 +31,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import CPConfig
 from .fx_utils import op_counts
+from .graph_facts import read_row_scopes
 
 log = logging.getLogger("cpgraph.passes")
 
@@ -43,7 +46,7 @@ def _source_files(fns: Sequence[Callable]) -> list[str]:
             files.add(Path(src).resolve())
     # Helpers every pass uses change behaviour too.
     here = Path(__file__).resolve().parent
-    files |= {here / "fx_utils.py", here / "config.py", here / "expert_parallel.py"}
+    files |= {here / "fx_utils.py", here / "config.py", here / "expert_parallel.py", here / "graph_facts.py"}
     return sorted(str(f) for f in files)
 
 
@@ -59,6 +62,7 @@ class CPPassManager(CustomGraphPass):
         self.passes = list(passes)
         self.absorbed = absorbed
         self.history: list[tuple[str, Counter, Counter]] = []
+        self.row_scopes: dict[str, str] = {}  # last graph: described node name -> "local" / "global"
         self._dump_seq = 0
 
     @property
@@ -74,6 +78,10 @@ class CPPassManager(CustomGraphPass):
             self.absorbed(gm.graph)
 
     def run(self, gm: fx.GraphModule) -> fx.GraphModule:
+        # Check before any pass: the row scopes the model stated (local / global
+        # rows) must cover what the passes decide; they become node metadata.
+        self.row_scopes = read_row_scopes(gm, self.cfg.cp_size)
+        gm.graph.lint()
         for name, fn in self.enabled:
             before = op_counts(gm.graph)
             self._dump(gm, name, "before")
