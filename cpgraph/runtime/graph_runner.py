@@ -1,0 +1,257 @@
+"""Replay the forward from CUDA graphs, one graph per shape bucket.
+
+Why: a small extend (8 requests x 32 new tokens) launches a few hundred
+kernels whose GPU time is shorter than the host time to launch them, so the
+forward runs at host speed.  A captured CUDA graph replays all of them with
+one launch.  A graph replays fixed shapes, so every input is padded to a
+*bucket*, and a batch of any size up to the largest bucket replays a graph
+that was captured (and, for a compiled forward, compiled) once.
+
+What sets the shapes of the forward's inputs (see ``BatchMeta``):
+
+* ``M`` compute rows (``input_ids``, ``positions``, ``ks``, ``ke``,
+  ``row_slots``): rounded up by the **planner** with ``row_align`` (static
+  padding, ``row_kind == 2``, docs/contracts.md), so dummy rows keep their
+  provenance.  :meth:`GraphRunner.plan` picks the bucket and plans with it;
+* ``N`` rows of the full KV view (``kv_source``) and ``P`` cached-prefix
+  rows (``prefix_slots``): each padded here to its own KV bucket with ``-1``
+  (a ``-1`` slot reads a zero record; a ``-1`` source row is zero and lies
+  past every key window).  ``kv_source`` indexes ``cat(prefix rows, current
+  rows)``, so its entries ``>= P`` move up by the prefix padding;
+* ``B`` requests (``last_token_index``) padded with row 0 to
+  ``max_requests`` and ``T`` tokens (``rerange_index``) padded with row 0
+  to ``cp_size * M``; the padded logits rows are dropped on the way out.
+
+The bucket key ``(M, N, P)`` comes from the plan's lengths alone, so every CP
+rank picks the same bucket without talking.  Ladders are geometric
+(:func:`bucket_ladder`): ``steps`` values per octave bound the padding to
+``2**(1/steps)``-ish of the batch (rows: 16, 24, 32, 48, ...).
+
+Memory: all graphs share one private memory pool.  That is safe because
+static inputs live outside the pool, graphs are replayed one at a time on one
+stream, and a replay's logits are copied out before the next replay (a
+replay may overwrite another graph's output buffers).
+
+On a machine without CUDA (or with ``capture=False``) the runner still pads
+to buckets and calls the forward on the padded static buffers: the bucket
+logic and the compile count are testable on CPU, only the capture is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, fields
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from cpgraph.plan import CPPlan, plan_prefill
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_ROWS = 8192
+DEFAULT_MAX_KV_ROWS = 1 << 20
+
+
+def bucket_ladder(lo: int, hi: int, steps: int = 2) -> tuple[int, ...]:
+    """Geometric bucket values from ``lo`` up to the first one >= ``hi``.
+
+    Each octave ``[2**e, 2**(e+1))`` holds ``steps`` values ``2**e * (1 + j/steps)``
+    (rounded up to ints), so a batch is padded by at most a factor ``1 + 1/steps``.
+    """
+    if lo < 1 or hi < lo or steps < 1:
+        raise ValueError(f"bucket_ladder: need 1 <= lo <= hi and steps >= 1, got lo={lo}, hi={hi}, steps={steps}")
+    out: list[int] = []
+    e = 0
+    while True:
+        base = 1 << e
+        for j in range(steps):
+            v = math.ceil(base * (steps + j) / steps)
+            if v >= lo and (not out or v > out[-1]):
+                out.append(v)
+                if v >= hi:
+                    return tuple(out)
+        e += 1
+
+
+def pick_bucket(ladder: Sequence[int], n: int, what: str) -> int:
+    """Smallest ladder value >= ``n``; ``ValueError`` past the largest bucket."""
+    for v in ladder:
+        if v >= n:
+            return v
+    raise ValueError(f"graph_runner: {what} {n} exceeds the largest bucket {ladder[-1]}; split the batch or raise the limit")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Static shapes of one graph: compute rows, KV-view rows, requests, CP size."""
+
+    rows: int
+    kv_rows: int
+    prefix_rows: int
+    requests: int
+    cp_size: int = 1
+
+
+@dataclass
+class CaptureStats:
+    bucket: Bucket
+    warmup_s: float  # first call on the bucket's shapes (compiles a compiled forward)
+    capture_s: float  # the capture itself (0 when not captured)
+    pool_bytes: int  # growth of the CUDA memory reserved by the capture (shared pool: later graphs reuse it)
+    replays: int = 0
+
+
+class _Static:
+    """The padded input buffers of one bucket, allocated outside any graph pool."""
+
+    def __init__(self, bucket: Bucket, like_meta, device):
+        from cpgraph.models.batch import BatchMeta
+
+        m, n = bucket.rows, bucket.kv_rows
+        lengths = {"positions": m, "ks": m, "ke": m, "row_slots": m, "prefix_slots": bucket.prefix_rows, "kv_source": n,
+                   "last_token_index": bucket.requests, "rerange_index": bucket.cp_size * m}  # fmt: skip
+        self.fill = {"row_slots": -1, "prefix_slots": -1, "kv_source": -1}  # every other field pads with 0
+        self.ids = torch.zeros(m, dtype=torch.long, device=device)
+        self.meta = BatchMeta(**{
+            f.name: torch.full((lengths[f.name],), self.fill.get(f.name, 0), dtype=getattr(like_meta, f.name).dtype,
+                               device=device)
+            for f in fields(BatchMeta)
+        })  # fmt: skip
+
+    def load(self, ids: Tensor, meta) -> None:
+        self.ids.copy_(ids)
+        p, shift = meta.prefix_slots.shape[0], self.meta.prefix_slots.shape[0] - meta.prefix_slots.shape[0]
+        for f in fields(meta):
+            src, dst = getattr(meta, f.name), getattr(self.meta, f.name)
+            if f.name == "kv_source" and shift:  # current rows follow the padded prefix rows
+                src = torch.where(src >= p, src + shift, src)
+            n = src.shape[0]
+            if n < dst.shape[0]:
+                dst[n:].fill_(self.fill.get(f.name, 0))
+            dst[:n].copy_(src)
+
+
+class GraphRunner:
+    """Pad a batch to its bucket and replay that bucket's CUDA graph (captured on first use).
+
+    ``forward(input_ids, meta) -> logits [B, vocab]`` is the eager model or a
+    compiled one (``cpgraph.compile(model, cp, dynamic=False)`` compiles once
+    per bucket, before its capture), with the KV pools bound in a closure:
+    pools are mutated in place and must keep their addresses
+    (``torch._dynamo.mark_static_address``).  Build batches with
+    :meth:`plan` so that ``M`` is a bucket.  ``capture=None`` captures when
+    the device is CUDA.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[Tensor, object], Tensor],
+        *,
+        max_requests: int,
+        row_buckets: Sequence[int] | None = None,
+        kv_buckets: Sequence[int] | None = None,
+        cp_size: int = 1,
+        capture: bool | None = None,
+        warmup_calls: int = 2,
+    ):
+        if max_requests < 1:
+            raise ValueError(f"graph_runner: max_requests must be >= 1, got {max_requests}")
+        self.forward = forward
+        self.max_requests = int(max_requests)
+        self.row_buckets = tuple(row_buckets or bucket_ladder(16, DEFAULT_MAX_ROWS, 2))
+        self.kv_buckets = tuple(kv_buckets or bucket_ladder(64, DEFAULT_MAX_KV_ROWS, 4))
+        for name, lad in (("row_buckets", self.row_buckets), ("kv_buckets", self.kv_buckets)):
+            if any(b <= a for a, b in zip(lad, lad[1:])) or lad[0] < 1:
+                raise ValueError(f"graph_runner: {name} must be increasing positive ints, got {lad}")
+        self.cp_size = int(cp_size)
+        self.capture = capture
+        self.warmup_calls = max(1, int(warmup_calls))
+        self.stats: dict[Bucket, CaptureStats] = {}
+        self._static: dict[Bucket, _Static] = {}
+        self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self._out: dict[Bucket, Tensor] = {}
+        self._pool = None
+
+    # ----------------------------------------------------------------- plan
+    def plan(self, prefix_lens: Sequence[int], extend_lens: Sequence[int], page_size: int) -> CPPlan:
+        """``plan_prefill`` with ``row_align`` set to the batch's row bucket, so ``M`` is a bucket."""
+        raw = plan_prefill(prefix_lens, extend_lens, cp_size=self.cp_size, page_size=page_size).num_rows
+        rows = pick_bucket(self.row_buckets, raw, "compute rows")
+        return plan_prefill(prefix_lens, extend_lens, cp_size=self.cp_size, page_size=page_size, row_align=rows)
+
+    def bucket_for(self, ids: Tensor, meta) -> Bucket:
+        m = ids.shape[0]
+        if m not in self.row_buckets:
+            raise ValueError(f"graph_runner: the batch has {m} rows, not a row bucket; plan it with GraphRunner.plan")
+        b = meta.last_token_index.shape[0]
+        if b > self.max_requests:
+            raise ValueError(f"graph_runner: {b} requests exceed max_requests={self.max_requests}")
+        if meta.rerange_index.shape[0] > self.cp_size * m:
+            raise ValueError("graph_runner: rerange_index is longer than cp_size * rows; wrong cp_size?")
+        n, p = meta.kv_source.shape[0], meta.prefix_slots.shape[0]
+        p_bucket = pick_bucket(self.kv_buckets, p, "cached-prefix rows") if p else 0
+        return Bucket(m, pick_bucket(self.kv_buckets, n, "KV-view rows"), p_bucket, self.max_requests, self.cp_size)
+
+    # ------------------------------------------------------------------ run
+    def __call__(self, ids: Tensor, meta) -> Tensor:
+        """fp32 logits ``[B, vocab]`` of the batch (a copy: safe across later calls)."""
+        bucket = self.bucket_for(ids, meta)
+        static = self._static.get(bucket)
+        if static is None:
+            static = self._static[bucket] = _Static(bucket, meta, ids.device)
+        static.load(ids, meta)
+        if bucket not in self.stats:
+            self._prepare(bucket, static, ids.device)
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            out = self._out[bucket]
+        else:
+            out = self.forward(static.ids, static.meta)
+        self.stats[bucket].replays += 1
+        return out[: meta.last_token_index.shape[0]].clone()
+
+    def _capturing(self, device) -> bool:
+        want = self.capture if self.capture is not None else torch.device(device).type == "cuda"
+        if want and not torch.cuda.is_available():
+            raise ValueError("graph_runner: capture=True needs CUDA")
+        return bool(want)
+
+    def _prepare(self, bucket: Bucket, static: _Static, device) -> None:
+        """First use of a bucket: warm up (compile, autotune) on the static buffers, then capture."""
+        t0 = time.perf_counter()
+        if not self._capturing(device):
+            self.forward(static.ids, static.meta)
+            self.stats[bucket] = CaptureStats(bucket, time.perf_counter() - t0, 0.0, 0)
+            return
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+            for _ in range(self.warmup_calls):
+                self.forward(static.ids, static.meta)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        before = torch.cuda.memory_reserved(device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.forward(static.ids, static.meta)
+        torch.cuda.synchronize(device)
+        self._graphs[bucket], self._out[bucket] = graph, out
+        t2 = time.perf_counter()
+        self.stats[bucket] = CaptureStats(bucket, t1 - t0, t2 - t1, torch.cuda.memory_reserved(device) - before)
+        log.info("graph_runner: captured %s in %.2f s (+%.2f s warm-up), pool +%d B", bucket, t2 - t1, t1 - t0,
+                 self.stats[bucket].pool_bytes)  # fmt: skip
+
+    def capture_report(self) -> list[dict]:
+        """One dict per bucket: shapes, warm-up / capture seconds, pool growth, replays."""
+        return [{"rows": s.bucket.rows, "kv_rows": s.bucket.kv_rows, "prefix_rows": s.bucket.prefix_rows,
+                 "requests": s.bucket.requests,
+                 "warmup_s": s.warmup_s, "capture_s": s.capture_s, "pool_mib": s.pool_bytes / 2**20,
+                 "replays": s.replays, "captured": s.bucket in self._graphs} for s in self.stats.values()]  # fmt: skip

@@ -1,0 +1,165 @@
+"""GraphRunner: bucket ladders, padding to a bucket, one compile per bucket, CUDA capture on a GPU.
+
+On CPU the runner pads and calls the forward without capturing, so the bucket
+selection, the padding contract (padded logits equal the unpadded batch's) and
+the compile count are checked here; the capture itself runs in the GPU test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cpgraph.models import build_batch, tiny_model
+from cpgraph.models.prefill import make_layout
+from cpgraph.plan import plan_prefill
+from cpgraph.runtime.engine import pool_config, pool_tensors
+from cpgraph.runtime.graph_runner import GraphRunner, bucket_ladder, pick_bucket
+from cpgraph.runtime.kv_pool import KVPool
+
+PAGE = 16
+
+
+def test_ladder_values_and_padding_bound():
+    assert bucket_ladder(16, 200, 2) == (16, 24, 32, 48, 64, 96, 128, 192, 256)
+    assert bucket_ladder(64, 100, 4) == (64, 80, 96, 112)
+    lad = bucket_ladder(1, 1 << 16, 4)
+    for n in range(1, 1 << 16, 97):
+        b = pick_bucket(lad, n, "rows")
+        assert n <= b and (n < 8 or b <= math.ceil(n * 1.25)), (n, b)
+
+
+def test_pick_past_the_largest_bucket_is_a_clear_error():
+    with pytest.raises(ValueError, match="exceeds the largest bucket 32"):
+        pick_bucket((16, 32), 33, "compute rows")
+    with pytest.raises(ValueError, match="lo <= hi"):
+        bucket_ladder(8, 4)
+
+
+def _setup(dtype=torch.float32, device="cpu"):
+    model = tiny_model("tiny-deepseek-v32", dtype=dtype, device=device).eval()
+    model.kv_layout = make_layout(model, "bf16", PAGE)
+    pool = KVPool(pool_config(model, "bf16", PAGE, 64))
+    mla, index = pool_tensors(pool, model)
+    return model, pool, mla, index
+
+
+def _batch(runner, pool, prompts, prefix, device, plan=None):
+    lens = [len(p) - prefix for p in prompts]
+    plan = plan or runner.plan([prefix] * len(prompts), lens, PAGE)
+    tables = [pool.alloc_pages_with_owners([0] * math.ceil(len(p) / PAGE)) for p in prompts]
+    ids, meta = build_batch(plan, [p[prefix:] for p in prompts], tables, device)
+    return ids, meta, tables
+
+
+def _release(pool, tables):
+    for t in tables:
+        pool.free(t)
+
+
+BATCHES = [[7], [3, 9], [20], [1, 2, 3], [30], [5, 5, 5, 5], [12]]  # extend lengths, no prefix
+
+
+@torch.no_grad()
+def test_padded_batch_matches_unpadded_eager():
+    model, pool, mla, index = _setup()
+    runner = GraphRunner(lambda i, m: model(i, m, mla, index).logits, max_requests=4, row_buckets=(16, 32, 64),
+                         kv_buckets=bucket_ladder(16, 4096, 2))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for lens in BATCHES:
+        prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+        ids, meta, tables = _batch(runner, pool, prompts, 0, "cpu")
+        assert ids.shape[0] in runner.row_buckets and (meta.positions.shape[0] == ids.shape[0])
+        got = runner(ids, meta)
+        _release(pool, tables)
+        plain = plan_prefill([0] * len(lens), lens, cp_size=1, page_size=PAGE)
+        ids, meta, tables = _batch(runner, pool, prompts, 0, "cpu", plan=plain)
+        want = model(ids, meta, mla, index).logits
+        _release(pool, tables)
+        assert got.shape == want.shape == (len(lens), model.config.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_prefix_batch_pads_kv_view():
+    model, pool, mla, index = _setup()
+    runner = GraphRunner(lambda i, m: model(i, m, mla, index).logits, max_requests=4, row_buckets=(16, 32),
+                         kv_buckets=(64, 128, 256))  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (32 + n,), generator=g).tolist() for n in (3, 6)]
+    tables = [pool.alloc_pages_with_owners([0] * math.ceil(len(p) / PAGE)) for p in prompts]
+    for i, p in enumerate(prompts):  # cache the 32-token prefixes
+        pre = plan_prefill([0], [32], cp_size=1, page_size=PAGE)
+        ids, meta = build_batch(pre, [p[:32]], [tables[i][:2]], "cpu", prefix_page_owners=[[]])
+        model(ids, meta, mla, index)
+    plan = runner.plan([32, 32], [3, 6], PAGE)
+    ids, meta = build_batch(plan, [p[32:] for p in prompts], tables, "cpu")
+    assert runner.bucket_for(ids, meta).kv_rows == 128  # 2 x (32 prefix + 16 extend) = 96 -> 128
+    got = runner(ids, meta)
+    plain = plan_prefill([32, 32], [3, 6], cp_size=1, page_size=PAGE)
+    ids, meta = build_batch(plain, [p[32:] for p in prompts], tables, "cpu")
+    torch.testing.assert_close(got, model(ids, meta, mla, index).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_batches_are_refused():
+    model, pool, mla, index = _setup()
+    runner = GraphRunner(lambda i, m: model(i, m, mla, index).logits, max_requests=2, row_buckets=(16, 32))
+    ids, meta, _ = _batch(runner, pool, [[1] * 5], 0, "cpu", plan=plan_prefill([0], [5], cp_size=1, page_size=PAGE))
+    with pytest.raises(ValueError, match="not a row bucket"):
+        runner(ids, meta)
+    ids, meta, _ = _batch(runner, pool, [[1] * 3] * 3, 0, "cpu")
+    with pytest.raises(ValueError, match="exceed max_requests=2"):
+        runner(ids, meta)
+    with pytest.raises(ValueError, match="largest bucket 32"):
+        runner.plan([0], [40], PAGE)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_one_compile_per_bucket_and_none_on_replay():
+    from torch._dynamo.utils import counters
+
+    import cpgraph
+
+    model, pool, mla, index = _setup()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = cpgraph.compile(model, backend="aot_eager", dynamic=False)
+    runner = GraphRunner(lambda i, m: compiled(i, m, mla, index).logits, max_requests=4, row_buckets=(16, 32),
+                         kv_buckets=(64,))  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    seen = set()
+    for rnd in range(2):
+        for lens in BATCHES[:5]:
+            prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+            ids, meta, tables = _batch(runner, pool, prompts, 0, "cpu")
+            seen.add(runner.bucket_for(ids, meta))
+            runner(ids, meta)
+            _release(pool, tables)
+        if rnd == 0:
+            first = counters["stats"]["unique_graphs"]
+    assert len(seen) == 2  # rows 16 and 32, one KV bucket
+    assert counters["stats"]["unique_graphs"] == first == len(seen)  # one compile per bucket, none when repeated
+    assert sum(s.replays for s in runner.stats.values()) == 10 and len(runner.stats) == len(seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@torch.no_grad()
+def test_cuda_capture_replays_without_recapture():
+    model, pool, mla, index = _setup(torch.bfloat16, "cuda")
+    for t in mla + index:
+        torch._dynamo.mark_static_address(t)
+    runner = GraphRunner(lambda i, m: model(i, m, mla, index).logits, max_requests=4, row_buckets=(16, 32, 64))
+    g = torch.Generator().manual_seed(3)
+    for lens in BATCHES + BATCHES:
+        prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+        ids, meta, tables = _batch(runner, pool, prompts, 0, "cuda")
+        got = runner(ids, meta)
+        want = model(ids, meta, mla, index).logits  # eager on the same padded batch
+        _release(pool, tables)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    report = runner.capture_report()
+    assert all(r["captured"] for r in report)
+    assert len(report) == len(runner.stats) <= 3 and sum(r["replays"] for r in report) == 2 * len(BATCHES)
