@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 MLA_FP8_RECORD_BYTES = 656  # 512 e4m3 latent + 4 fp32 scales + 64 bf16 RoPE
 FP8_SCALE_BLOCK = 128  # values per scale (index-K keys; weight blocks are 128 x 128)
 DEFAULT_MAX_LOGITS_BYTES = 64 << 20  # KVLayout.max_logits_bytes: the dense indexer's score chunk budget
-SELECT_SCRATCH_BYTES = 64 << 20  # the FP8 path's top-k candidate scratch per chunk of rows
+ALLOC_ROUND = 512  # the CUDA caching allocator books every block in multiples of 512 B
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
 KV_FORMATS = ("bf16", "dense", "fp8")
@@ -163,69 +163,268 @@ def owned_pages(tokens: int, cp: int, page_size: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- activations
 
 
+def _block(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator books for a tensor: rounded up to 512 B (``max_memory_allocated`` counts these)."""
+    return 0 if nbytes <= 0 else -(-nbytes // ALLOC_ROUND) * ALLOC_ROUND
+
+
+class _Tape:
+    """Live bytes over one stretch of the forward, replayed allocation by allocation; ``peak`` = most ever live.
+
+    Why a replay and not a sum: eager PyTorch frees a tensor when its last
+    reference goes -- a module's locals when its ``forward`` returns, a
+    temporary argument when the call returns -- so what is live at the
+    peak depends on the order of the forward's statements.  Each phase
+    below follows its module's code line by line (names are the locals).
+    """
+
+    def __init__(self) -> None:
+        self.cur = 0
+        self.peak = 0
+        self._live: dict[str, int] = {}
+
+    def alloc(self, name: str, nbytes: int) -> None:
+        b = _block(int(nbytes))
+        self._live[name] = self._live.get(name, 0) + b
+        self.cur += b
+        self.peak = max(self.peak, self.cur)
+
+    def free(self, *names: str) -> None:
+        for name in names:
+            self.cur -= self._live.pop(name, 0)
+
+    def new_phase(self) -> None:
+        """Start measuring a new phase's peak from what is live now (its predecessors' outputs included)."""
+        self.peak = self.cur
+
+
+def _rope(t: _Tape, name: str, nbytes: int) -> None:
+    """``rope_interleaved`` / ``rope_neox`` of a ``nbytes`` operand: the two rotated halves are live beside the output."""
+    t.alloc(name + ".halves", nbytes)
+    t.alloc(name, nbytes)
+    t.free(name + ".halves")
+
+
+def _compose(t: _Tape, name: str, rows: int, keys: int, row_bytes: int) -> None:
+    """``kv_compose`` of the cached prefix (``keys - rows`` gathered rows) and this forward's rows into a view."""
+    t.alloc(name + ".prefix", (keys - rows) * row_bytes)
+    t.alloc(name + ".cat", keys * row_bytes)
+    t.alloc(name, keys * row_bytes)
+    t.free(name + ".cat", name + ".prefix")
+
+
+def _hadamard(t: _Tape, name: str, n_values: int, a: int) -> None:
+    """``hadamard_reference`` (the CUDA default): fp32 butterflies; after the loop the last two fp32
+    buffers (``y`` and the one ``a``/``b`` still view), the scaled copy and the output are live at once."""
+    f32 = 4 * n_values
+    t.alloc(name + ".y_prev", f32)
+    t.alloc(name + ".y", f32)
+    t.alloc(name + ".scaled", f32)
+    t.alloc(name, n_values * a)
+    t.free(name + ".y_prev", name + ".y", name + ".scaled")
+
+
+def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logits_bytes: int) -> None:
+    """``Indexer.forward``; leaves only its output ``topk`` int32 ``[R, topk]`` live."""
+    H, hi, di, rope, topk = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.index_topk
+    iq = R * hi * di * a
+    t.alloc("iq.proj", iq)  # wq_b(q_lat)
+    _rope(t, "iq.rot", R * hi * rope * a)
+    t.alloc("iq", iq)  # cat((rope(rot), rest))
+    t.free("iq.proj", "iq.rot")
+    t.alloc("ik.proj", R * di * a)
+    t.alloc("ik.norm", R * di * a)
+    t.free("ik.proj")
+    _rope(t, "ik.rot", R * rope * a)
+    t.alloc("ik", R * di * a)
+    t.free("ik.norm", "ik.rot")
+    t.alloc("w.x32", 4 * R * H)  # x.to(fp32) for weights_proj
+    t.alloc("w.proj", 4 * R * hi)
+    t.free("w.x32")
+    t.alloc("w", 4 * R * hi)  # * weight_scale
+    t.free("w.proj")
+    if index_format == "fp8":
+        _hadamard(t, "iq.h", R * hi * di, a)
+        t.free("iq")
+        _hadamard(t, "ik.h", R * di, a)
+        t.free("ik")
+        t.alloc("ik.quant_tmp", 2 * 4 * R * di)  # index_k_quant (reference): fp32 copies
+        t.alloc("ik.bytes", R * di + 4 * R)
+        t.free("ik.quant_tmp")
+        _compose(t, "k_view", R, N, di + 4)  # e4m3 keys + fp32 scales
+        t.alloc("qq.f32", 2 * 4 * R * hi * di)  # indexer_q_quant (reference): q.float(), .abs()
+        t.free("qq.f32")
+        t.alloc("qq.amax", 4 * R * hi)
+        t.alloc("qq.f32", 2 * 4 * R * hi * di)  # e4m3_bytes: x.float() / scale
+        t.alloc("q_bytes", R * hi * di)
+        t.free("qq.f32")
+        t.alloc("w_q", 4 * R * hi)
+        t.free("qq.amax")
+        t.alloc("k_scale", 4 * N)
+        t.alloc("logits", 4 * R * N)  # indexer_logits_fp8: every row at once
+        t.alloc("topk", 4 * R * topk)  # topk_ragged (no candidate scratch: SELECT_COMPACT is off by default)
+        t.free("iq.h", "ik.h", "ik.bytes", "k_view", "q_bytes", "w_q", "k_scale", "logits", "w")
+        return
+    _compose(t, "k_view", R, N, di * a)
+    t.alloc("topk", 4 * R * topk)  # indexer_topk's output ...
+    chunk = min(R, max(1, max_logits_bytes // (4 * max(N, 1))))
+    t.alloc("scores", 4 * chunk * N)  # ... and its fp32 score chunk (scored, selected, next chunk)
+    t.free("scores", "iq", "ik", "w", "k_view")
+
+
+def _attention_layer(cfg, R: int, N: int, a: int, kv_format: str, index_format: str, max_logits_bytes: int,
+                     has_prev: bool, own_indexer: bool) -> tuple[int, int]:
+    """``(peak up to the top-k, peak from sparse MLA on)`` of one ``MLAttention`` call, above the base."""
+    H, heads, ql, kvl, rope = (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
+                               cfg.qk_rope_head_dim)
+    qk = cfg.qk_nope_head_dim + rope
+    t = _Tape()
+    t.alloc("x_normed", R * H * a)  # input_layernorm(x), the layer's argument
+    if has_prev:
+        t.alloc("topk_prev", 4 * R * cfg.index_topk)  # the previous layer's top-k, held by the model's loop
+    t.alloc("q_a", R * ql * a)
+    t.alloc("q_lat", R * ql * a)
+    t.free("q_a")
+    t.alloc("q", R * heads * qk * a)
+    _rope(t, "q_pe", R * heads * rope * a)
+    t.alloc("q_abs", R * heads * kvl * a)  # einsum with W_UK
+    t.alloc("q_full", R * heads * (kvl + rope) * a)
+    t.alloc("kv_a", R * (kvl + rope) * a)
+    t.alloc("c.contiguous", R * kvl * a)  # rms_norm copies the strided latent first
+    t.alloc("c", R * kvl * a)
+    t.free("c.contiguous")
+    _rope(t, "k_pe", R * rope * a)
+    t.free("kv_a")
+    fp8 = kv_format == "fp8"
+    record = MLA_FP8_RECORD_BYTES if fp8 else (kvl + rope) * a
+    t.alloc("record", R * record)
+    _compose(t, "kv", R, N, record)
+    if fp8:
+        t.alloc("kv.bf16", N * (kvl + rope) * a)  # mla_fp8_unpack
+        t.free("kv")
+    if own_indexer:
+        _indexer(t, cfg, R, N, a, index_format, max_logits_bytes)
+    attention = t.peak
+    t.new_phase()
+    t.alloc("out_lat", R * heads * kvl * a)
+    t.alloc("lse", 4 * R * heads)
+    t.alloc("out.einsum", R * heads * cfg.v_head_dim * a)
+    t.alloc("out", R * heads * cfg.v_head_dim * a)  # .reshape of the permuted einsum result copies
+    t.free("out.einsum")
+    t.alloc("o_proj", R * H * a)
+    return attention, t.peak
+
+
+def _swiglu(t: _Tape, R: int, hidden: int, inner: int, a: int, name: str) -> None:
+    """``down(silu(gate(x)) * up(x))``; leaves ``name`` ``[R, hidden]`` live."""
+    t.alloc("gate", R * inner * a)
+    t.alloc("silu", R * inner * a)
+    t.free("gate")
+    t.alloc("up", R * inner * a)
+    t.alloc("prod", R * inner * a)
+    t.free("silu", "up")
+    t.alloc(name, R * hidden * a)
+    t.free("prod")
+
+
+def _grouped_experts(t: _Tape, rows: int, k: int, H: int, im: int, a: int) -> None:
+    """``moe_experts``'s grouped provider over ``rows`` rows of ``k`` routes; leaves ``experts`` ``[rows, H]``."""
+    pairs = rows * k
+    t.alloc("plan", 2 * 8 * pairs)  # order, slot_pos (int64)
+    t.alloc("order_rows", 8 * pairs)
+    t.alloc("xs", pairs * H * a)
+    t.free("order_rows")
+    t.alloc("h", pairs * 2 * im * a)
+    t.alloc("silu", pairs * im * a)
+    t.alloc("act", pairs * im * a)
+    t.free("silu")
+    t.alloc("y", pairs * H * a)
+    t.alloc("experts", rows * H * a)  # the weighted combine
+    t.free("plan", "xs", "h", "act", "y")
+
+
+def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int) -> int:
+    """Peak of a layer's MLP half above the base: ``attn``, ``x + attn``, its norm and the live top-k stay."""
+    H, E, k, im = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    t = _Tape()
+    t.alloc("topk", topk_live * 4 * R * cfg.index_topk)
+    t.alloc("attn", R * H * a)
+    t.alloc("x1", R * H * a)
+    t.alloc("h", R * H * a)
+    if not sparse:
+        _swiglu(t, R, H, cfg.intermediate_size, a, "mlp")
+    else:
+        t.alloc("router.x32", 4 * R * H)
+        t.alloc("router.logits", 4 * R * E)
+        t.free("router.x32")
+        t.alloc("router.scores", 4 * R * E)
+        t.free("router.logits")
+        t.alloc("router.choice", 3 * 4 * R * E)  # choice, the expanded group mask, the masked choice
+        t.alloc("topk_ids", 8 * R * k)
+        t.alloc("topk_w", 4 * R * k)
+        t.free("router.scores", "router.choice")
+        if ep == 1:
+            _grouped_experts(t, R, k, H, im, a)
+        else:
+            # The expert-parallel reference (moe_dispatch / moe_combine decomposed): static capacity,
+            # n = ep * R * min(k, E / ep) wire rows whatever the routing.
+            n = ep * R * min(k, E // ep)
+            t.alloc("ep.routes", 8 * (2 * n + R * k))
+            t.alloc("ep.send", n * H * a)
+            t.alloc("ep.wire", n * H * a)
+            t.alloc("ep.recv", n * H * a)
+            t.free("ep.send", "ep.wire")
+            _grouped_experts(t, n, 1, H, im, a)
+            t.free("ep.recv")
+            t.alloc("ep.back_wire", n * H * a)
+            t.alloc("ep.back", n * H * a)
+            t.free("experts")
+            t.alloc("ep.rows32", 2 * 4 * R * k * H)  # gathered fp32 rows, masked
+            t.alloc("ep.sum32", 2 * 4 * R * H)
+            t.alloc("experts", R * H * a)
+            t.free("ep.back_wire", "ep.back", "ep.rows32", "ep.sum32", "ep.routes")
+        _swiglu(t, R, H, im * cfg.n_shared_experts, a, "shared")
+        t.alloc("mlp", R * H * a)
+        t.free("experts", "shared", "topk_ids", "topk_w")
+    t.alloc("x2", R * H * a)  # x + mlp
+    return t.peak
+
+
 def activation_phases(cfg: "DSAConfig", rows: int, keys: int, *, dtype: str = "bf16", kv_format: str = "bf16",
-                      index_format: str | None = None,
+                      index_format: str | None = None, ep: int = 1,
                       max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES) -> tuple[int, dict[str, int]]:
-    """``(base, {phase: bytes})`` of one forward of ``rows`` rows per rank against ``keys`` full-view keys.
+    """``(base, {phase: bytes})`` of one eager forward of ``rows`` rows per rank against ``keys`` full-view keys.
 
-    ``base`` is live through every phase (residual and normed rows, RoPE
-    tables, batch metadata); a phase adds what one step of a layer holds at
-    its widest point.  The model (cpgraph's GPU path, eager):
+    ``base`` is live through every phase: the residual rows ``x``, the RoPE
+    tables and the batch metadata.  A phase's bytes are the most live on top
+    of the base while it runs, for the worst layer of its kind, and include
+    what earlier phases left live (the layer's normed input, the previous
+    layer's top-k, the attention output and residual sums).  The replay
+    follows cpgraph's eager GPU forward with the CUDA default providers
+    (Triton indexer scores/top-k and sparse MLA, grouped-GEMM MoE, torch
+    Hadamard and FP8 query quantisation); ``docs/launch.md`` lists what
+    each phase holds and ``benchmarks/memory_check.py`` measures it.
 
-    * ``attention``: the absorbed queries ``[rows, H, kv_lora + rope]``, the
-      full KV view ``[keys, kv_lora + rope]`` (plus its FP8 records and the
-      all-gathered rows it is composed from), the indexer's queries, keys
-      view and its scores -- a chunk ``[rows_c, keys]`` fp32 with an int32
-      scratch of the same size for the dense path (``rows_c`` from the
-      ``max_logits_bytes`` budget), ALL rows ``[rows, keys]`` fp32 for the
-      FP8 path (its logits op scores every row at once);
-    * ``sparse_mla``: queries, KV view, top-k ids, latent output and LSE,
-      and the per-head value projection;
-    * ``dense_mlp``: gate, up and their product ``[rows, intermediate]``;
-    * ``moe``: router scores ``[rows, E]`` fp32, the dispatch buffer
-      ``[rows * top_k, hidden]``, gate/up ``[rows * top_k, 2 I]``, the
-      activation, the expert outputs ``[rows * top_k, hidden]``.
+    * ``attention``: MLA queries and the KV view, then the indexer up to its top-k;
+    * ``sparse_mla``: the same locals plus the top-k, the latent output and the value projection;
+    * ``dense_mlp`` / ``moe``: the MLP half of a dense / MoE layer (router,
+      grouped expert buffers; with ``ep > 1`` the static-capacity dispatch
+      and combine buffers of ``ep * rows * min(top_k, E / ep)`` rows).
     """
     a = _act_bytes(dtype)
     index_format = index_format or kv_format
-    H, heads = cfg.hidden_size, cfg.num_attention_heads
-    rec = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    hi, di, topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     R, N = rows, keys
-    base = 2 * R * H * a + R * cfg.qk_rope_head_dim * a + 8 * 8 * R  # x, normed x, cos+sin, 8 int64 metadata rows
-
-    q_full = R * heads * rec * a
-    q_proj = R * cfg.q_lora_rank * a + R * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) * a
-    kv_view = N * rec * a
-    if kv_format == "fp8":
-        kv_view += 2 * N * MLA_FP8_RECORD_BYTES  # composed FP8 records + the gathered rows they come from
-    else:
-        kv_view += N * rec * a  # the gathered rows the view is composed from
-    iq = R * hi * di * a
-    w_idx = 4 * R * hi
-    if index_format == "fp8":
-        k_view = 2 * N * (di + 4)  # composed e4m3 keys + scales, and the gathered rows
-        iq += R * hi * di  # e4m3 query bytes beside the Hadamard-rotated queries
-        scratch_rows = min(R, max(1, SELECT_SCRATCH_BYTES // (4 * max(N, 1))))
-        scores = 4 * R * N + 4 * scratch_rows * N
-    else:
-        k_view = 2 * N * di * a
-        chunk = min(R, max(1, max_logits_bytes // (4 * max(N, 1))))
-        scores = 4 * chunk * N * 2  # fp32 scores + int32 selection scratch
-    attention = q_proj + q_full + kv_view + iq + w_idx + k_view + scores + 4 * R * topk
-
-    out_lat = R * heads * cfg.kv_lora_rank * a + 4 * R * heads
-    sparse_mla = q_full + kv_view + 4 * R * topk + out_lat + R * heads * cfg.v_head_dim * a
-
-    phases = {"attention": attention, "sparse_mla": sparse_mla}
-    if "dense" in cfg.mlp_layer_types:
-        phases["dense_mlp"] = 3 * R * cfg.intermediate_size * a
-    if "sparse" in cfg.mlp_layer_types:
-        k, im, E = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.n_routed_experts
-        pairs = R * k
-        router = 3 * 4 * R * E + R * k * (8 + 4)
-        dispatch = pairs * H * a + pairs * 2 * im * a + 2 * pairs * im * a + pairs * H * a + 3 * 8 * pairs
-        phases["moe"] = router + dispatch + R * H * a
+    H, L = cfg.hidden_size, cfg.num_hidden_layers
+    base = _block(R * H * a) + 2 * _block(R * (cfg.qk_rope_head_dim // 2) * a) + 7 * _block(8 * R)
+    own = [t == "full" for t in cfg.indexer_types]
+    kinds = {(i > 0, own[i]) for i in range(L)}
+    att = [_attention_layer(cfg, R, N, a, kv_format, index_format, max_logits_bytes, prev, mine)
+           for prev, mine in sorted(kinds)]
+    phases = {"attention": max(p[0] for p in att), "sparse_mla": max(p[1] for p in att)}
+    for kind, name in (("dense", "dense_mlp"), ("sparse", "moe")):
+        live = {(i > 0) + own[i] for i in range(L) if cfg.mlp_layer_types[i] == kind}
+        if live:
+            phases[name] = max(_mlp_layer(cfg, R, a, kind == "sparse", n, ep) for n in live)
     return base, phases
 
 
@@ -311,8 +510,9 @@ def plan_memory(cfg: "DSAConfig", *, tokens: int, cp: int = 1, ep: int = 1, row_
         rows = _check_int("row_bucket", row_bucket)
     keys = pages_total * page_size
     kv_tok = kv_bytes_per_token(cfg, kv_format, index_format, dtype)
+    ep = _check_int("ep", ep)
     base, phases = activation_phases(cfg, rows, keys, dtype=dtype, kv_format=kv_format, index_format=index_format,
-                                     max_logits_bytes=max_logits_bytes)
+                                     ep=ep, max_logits_bytes=max_logits_bytes)
     return MemoryPlan(
         model_type=cfg.model_type, cp=cp, ep=ep, tokens=tokens, rows=rows, keys=keys, page_size=page_size,
         dtype=dtype, kv_format=kv_format, index_format=index_format or kv_format,

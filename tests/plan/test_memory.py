@@ -176,6 +176,74 @@ def test_moe_and_mlp_phases_scale_with_the_row_bucket():
     assert b.activation_base == 2 * a.activation_base
 
 
+def test_expert_parallel_adds_static_capacity_buffers():
+    """EP's dispatch holds ``ep * rows * min(top_k, E/ep)`` wire rows whatever the routing; only the MoE phase grows."""
+    cfg = _cfg(DEEPSEEK_V32)
+    one, eight = (mem.plan_memory(cfg, tokens=131072, cp=8, ep=ep, row_bucket=4096) for ep in (1, 8))
+    wire_rows = 8 * 4096 * min(8, 256 // 8)
+    # received rows, their expert-sorted copy, the expert outputs and the combine's returned rows: [n, hidden] each
+    assert eight.activation_phases["moe"] - one.activation_phases["moe"] >= 4 * wire_rows * 7168 * 2
+    for phase in ("attention", "sparse_mla", "dense_mlp"):
+        assert eight.activation_phases[phase] == one.activation_phases[phase]
+    assert eight.peak_phase == "moe"
+
+
+def test_previous_layers_topk_stays_live():
+    """The model's loop holds layer i-1's top-k while layer i computes its own: two [rows, topk] int32 buffers."""
+    import dataclasses
+
+    cfg = _cfg(DEEPSEEK_V32)
+    shared = dataclasses.replace(cfg, indexer_types=("full",) + ("shared",) * (cfg.num_hidden_layers - 1))
+    own = mem.activation_phases(cfg, 4096, 65536)[1]
+    reuse = mem.activation_phases(shared, 4096, 65536)[1]
+    assert own["moe"] - reuse["moe"] == 4 * 4096 * 2048  # a shared layer's top-k IS the previous one
+
+
+def test_tape_counts_allocator_blocks():
+    tape = mem._Tape()
+    tape.alloc("a", 1)  # one 512-byte block
+    tape.alloc("b", 1024)
+    tape.free("a")
+    tape.new_phase()
+    tape.alloc("c", 513)
+    assert (tape.cur, tape.peak) == (1024 + 1024, 1024 + 1024)
+    tape.free("b", "c")
+    assert tape.cur == 0 and tape.peak == 2048
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures the CUDA caching allocator")
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_activation_peak_matches_cuda_allocator(kv_format):
+    """The eager plan against ``max_memory_allocated`` of a prefill of the kernel-shaped model (H200: within 0.2%)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from memory_check import kernel_shaped_model
+
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.runtime.engine import run_prefill
+
+    dev = torch.device("cuda")
+    model = kernel_shaped_model(dev)
+    model.kv_layout = make_layout(model, kv_format, 64)
+    prompt = [list(range(3, 3 + 2048))]
+
+    def run():
+        return run_prefill(lambda *a, **k: model(*a, **k), model, prompt, kv_format=kv_format, page_size=64)
+
+    run()  # one-time workspaces (cuBLAS, Triton autotuning) are no activation
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    res = run()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - start - res.pool_bytes
+    plan = mem.plan_memory(model.config, tokens=2048, kv_format=kv_format, page_size=64)
+    assert plan.kv_bytes == res.pool_bytes
+    assert measured == pytest.approx(plan.activation_peak, rel=0.1)
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(tokens=0), "'tokens' must be an int >= 1"),
     (dict(tokens=10, page_size=48), "'page_size' must be a power of two"),
