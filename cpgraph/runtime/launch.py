@@ -50,6 +50,7 @@ from .inputs import (
     check_output_path,
     check_parallel,
     check_request,
+    check_weights,
     model_config,
     one_line,
     read_prompts,
@@ -211,6 +212,7 @@ class LaunchSpec:
     backend: str = "inductor"
     kv_format: str = "bf16"
     dtype: str | None = None
+    weights: str | None = None  # FP8 checkpoints: None / "dequantize" (to dtype) or "fp8" (e4m3 projections kept)
     page_size: int = 16
     timeout: float = 600.0  # seconds a collective (and the rendezvous) may wait
     repeat: int = 1  # prefill runs; the first includes compilation
@@ -223,6 +225,7 @@ class GroupReport:
     ranks: list[int]
     prompt_indices: list[int]  # positions in LaunchResult.tokens
     kv_bytes_per_rank: list[int]
+    weight_bytes_per_rank: list[int]  # parameters and buffers each rank holds (its expert shard under EP)
     pages_per_rank: list[int]
     replicated_bytes: int
     seconds: list[float]  # per run on the group's rank 0; seconds[0] includes compilation
@@ -239,6 +242,7 @@ class LaunchResult:
     layout: RankLayout
     device: str
     backend: str
+    weights: str = "dequantize"  # how FP8 checkpoints were loaded (LaunchSpec.weights)
     groups: list[GroupReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -272,6 +276,22 @@ def _dtype(name):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[name]
 
 
+def load_rank_model(spec: LaunchSpec, layout: RankLayout, group_rank: int):
+    """This rank's model as ``spec`` asks (dtype, FP8 weights, its expert shard) and its KV layout.
+
+    With EP each rank builds and reads only its routed experts (rank ``j``
+    of the group: shard ``j``); ``spec.weights == "fp8"`` keeps the FP8
+    checkpoint's e4m3 projections (``from_pretrained(..., weights="fp8")``).
+    Raises :class:`InputError` (through :func:`user_input`) for a bad checkpoint.
+    """
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import make_layout
+
+    shard = dict(ep_rank=group_rank % layout.ep, ep_size=layout.ep) if layout.ep > 1 else {}
+    model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), weights=spec.weights, **shard)
+    return model, make_layout(model, spec.kv_format, spec.page_size)
+
+
 def _share_verdict(error: str | None, rank: int, world: int) -> None:
     """All ranks learn whether any rank's input was bad; each raises the first rank's message."""
     import torch.distributed as dist
@@ -302,6 +322,7 @@ def run_launch(spec: LaunchSpec, environ: Mapping[str, str] | None = None,
         raise InputError(f"--repeat must be >= 1, got {spec.repeat}")
     if spec.timeout <= 0:
         raise InputError(f"--timeout must be > 0 seconds, got {spec.timeout:g}")
+    check_weights(spec.model, spec.weights, cfg)  # same verdict on every rank: before any process group
     device = resolve_device(spec.device, env.local_rank)
     group_id, group_rank = layout.group_of(env.rank), layout.group_rank(env.rank)
     leader = group_rank == 0
@@ -311,6 +332,9 @@ def run_launch(spec: LaunchSpec, environ: Mapping[str, str] | None = None,
             progress(f"rank {env.rank} (group {group_id}): {msg}")
 
     cuda = device.type == "cuda"
+    if spec.weights == "fp8" and not cuda:
+        report("--weights fp8 on cpu: the FP8 projections run fp8_block_linear's torch reference (slow; the fast "
+               "FP8 GEMM is CUDA-only)")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off unless the user turns it on
     if cuda:
         torch.cuda.set_device(device)
@@ -332,10 +356,8 @@ def run_launch(spec: LaunchSpec, environ: Mapping[str, str] | None = None,
 def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id: int, group_rank: int, report):
     import torch.distributed as dist
 
-    from cpgraph.models import from_pretrained
-    from cpgraph.models.prefill import make_layout
     from cpgraph.passes import CPConfig, compile
-    from cpgraph.runtime.engine import run_prefill
+    from cpgraph.runtime.engine import run_prefill, weight_bytes_per_rank
 
     # Every rank creates every group, in group order: new_group is collective over the world.
     groups = [dist.new_group(layout.group_ranks(g)) for g in range(layout.dp)] if layout.dp > 1 else [dist.group.WORLD]
@@ -348,17 +370,16 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
                 check_output_path(spec.json_out)  # only global rank 0 writes it
             indices, prompts, prefix = group_prompts(spec, layout.dp, group_id, cfg.vocab_size)
             req = check_request(prompts, prefix, vocab=cfg.vocab_size, page_size=spec.page_size, cp=layout.cp)
-            report(f"{len(prompts)} prompt(s); loading {spec.model}")
-            # With EP each rank builds and reads only its routed experts (rank j of the group: shard j).
-            shard = dict(ep_rank=group_rank % layout.ep, ep_size=layout.ep) if layout.ep > 1 else {}
-            model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), **shard)
-            kv_layout = make_layout(model, spec.kv_format, spec.page_size)
+            report(f"{len(prompts)} prompt(s); loading {spec.model}"
+                   + (" (FP8 weights kept)" if spec.weights == "fp8" else ""))
+            model, kv_layout = load_rank_model(spec, layout, group_rank)
     except InputError as exc:
         error = one_line(exc)
     _share_verdict(error, env.rank, env.world_size)
 
     model = model.to(device).eval()
     model.kv_layout = kv_layout
+    weight_bytes = weight_bytes_per_rank(model)
     ep_field = ep_config_field()
     extra = {ep_field: layout.ep} if ep_field is not None else {}
     compiled = compile(model, CPConfig(group=group, cp_size=layout.cp, **extra), backend=spec.backend, dynamic=True)
@@ -383,7 +404,7 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
     digest = hashlib.sha256(logits.numpy().tobytes()).hexdigest()
     item = dict(rank=env.rank, group=group_id, group_rank=group_rank, indices=indices, tokens=req.prompts,
                 prefix=req.prefix_lens, logits=logits.numpy() if group_rank == 0 else None, digest=digest,
-                kv_bytes=res.kv_bytes, pages=res.pages_owned, replicated=res.total_pages * res.bytes_per_page,
+                kv_bytes=res.kv_bytes, weight_bytes=weight_bytes, pages=res.pages_owned, replicated=res.total_pages * res.bytes_per_page,
                 seconds=seconds)
     report("gathering results on global rank 0")
     gathered = [None] * env.world_size if env.rank == 0 else None
@@ -391,7 +412,7 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
     dist.barrier()
     if env.rank != 0:
         return None
-    return _assemble(gathered, layout, device, spec.backend)
+    return _assemble(gathered, layout, device, spec.backend, spec.weights or "dequantize")
 
 
 EP_DISPATCH_OP = "moe_dispatch"  # what an expert-parallel graph must contain (cpgraph::moe_dispatch)
@@ -422,7 +443,8 @@ def check_expert_parallel_graph(manager, ep: int) -> None:
 
 
 
-def _assemble(items: Sequence[dict], layout: RankLayout, device, backend: str) -> LaunchResult:
+def _assemble(items: Sequence[dict], layout: RankLayout, device, backend: str,
+              weights: str = "dequantize") -> LaunchResult:
     n = sum(len(it["indices"]) for it in items if it["group_rank"] == 0)
     tokens: list = [None] * n
     prefix: list = [0] * n
@@ -436,8 +458,9 @@ def _assemble(items: Sequence[dict], layout: RankLayout, device, backend: str) -
             tokens[i], prefix[i], rows[i] = lead["tokens"][row], lead["prefix"][row], logits[row]
         reports.append(GroupReport(
             group=g, ranks=[it["rank"] for it in members], prompt_indices=list(lead["indices"]),
-            kv_bytes_per_rank=[it["kv_bytes"] for it in members], pages_per_rank=[it["pages"] for it in members],
+            kv_bytes_per_rank=[it["kv_bytes"] for it in members],
+            weight_bytes_per_rank=[it["weight_bytes"] for it in members], pages_per_rank=[it["pages"] for it in members],
             replicated_bytes=lead["replicated"], seconds=lead["seconds"],
             ranks_agree=all(it["digest"] == lead["digest"] for it in members)))
     return LaunchResult(logits=torch.stack(rows), tokens=tokens, prefix_lens=prefix, layout=layout,
-                        device=str(device.type), backend=backend, groups=reports)
+                        device=str(device.type), backend=backend, weights=weights, groups=reports)
