@@ -23,6 +23,11 @@ rank of the CP group:
 
 Hits are reported per level: ``device`` (L1), ``host`` (loaded from L2) and
 ``computed`` tokens per request.
+
+With a ``draft`` forward (the MTP layer, docs/mtp.md) the pool holds one more
+logical layer (id ``num_hidden_layers``) in the same pages: a cached page
+carries the draft's records too, HiCache backs it up and loads it back as one
+more payload, and every call runs the draft after the target.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from torch import Tensor
 from cpgraph.ops.layer_events import layer_hooks
 from cpgraph.plan import plan_prefill
 
-from .engine import _FORMATS, check_prompts, forward_batch, pool_config, pool_tensors
+from .engine import _FORMATS, check_prompts, draft_pools, forward_batch, pool_config, pool_tensors
 from .hicache import DevicePages, HiCache, HostPool, LaneDeficit
 from .kv_pool import KVPool, KVPoolExhausted
 from .radix import RadixCache, RadixNode, TokenKey, check_consistent
@@ -51,6 +56,7 @@ class CacheResult:
     topk: list[Tensor] | None = None
     meta: object | None = None
     load_misses: int = 0  # load-backs that degraded to a miss in this call
+    draft_logits: Tensor | None = None  # fp32 [B, vocab] of the MTP draft (with a draft forward)
 
     def totals(self) -> dict:
         return {k: sum(h[k] for h in self.hits) for k in ("device", "host", "computed")}
@@ -76,16 +82,18 @@ class CacheEngine:
     ``host_pages``: L2 capacity per rank (0 = no HiCache).  ``forward`` is
     called as ``forward(input_ids, meta, mla_pools, index_pools)``.
     ``group``/``debug_device``: where the debug fingerprint collective runs.
+    ``draft``: the MTP draft forward (run after the target on its local hidden rows).
     """
 
     def __init__(self, forward: Callable, model, *, num_pages: int, kv_format: str = "bf16", page_size: int = 16,
                  rank: int = 0, cp_size: int = 1, host_pages: int = 0, host_layout: str = "layer_page_first",
-                 write_policy: str = "write_through", group=None):
+                 write_policy: str = "write_through", group=None, draft: Callable | None = None):
         if kv_format not in _FORMATS:
             raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {kv_format!r}")
         self.forward, self.model = forward, model
         self.page_size, self.rank, self.cp_size, self.group = page_size, rank, cp_size, group
-        self.pool = KVPool(pool_config(model, kv_format, page_size, num_pages, rank))
+        self.draft = draft
+        self.pool = KVPool(pool_config(model, kv_format, page_size, num_pages, rank, draft=draft is not None))
         self.pools = pool_tensors(self.pool, model)
         self.device = DevicePages(self.pool, cp_size)
         self.tree = RadixCache(page_size, rank, cp_size)
@@ -192,10 +200,14 @@ class CacheEngine:
                 for h in loads:
                     h.wait_layer(layer)
 
+            dkw = {} if self.draft is None else dict(draft=self.draft, draft_pools=draft_pools(self.pool, self.model),
+                                                     prompts=[r.tokens for r in reqs])
             with layer_hooks(on_ready=wait_for_layer if loads else None):
-                out, meta = forward_batch(self.forward, plan, [r.tokens[p:] for r, p in zip(reqs, prefix)], tables,
-                                          prefix_owners, self.pools, self.model.device, rank=self.rank,
-                                          return_topk=return_topk)
+                ran = forward_batch(self.forward, plan, [r.tokens[p:] for r, p in zip(reqs, prefix)], tables,
+                                    prefix_owners, self.pools, self.model.device, rank=self.rank,
+                                    return_topk=return_topk, **dkw)
+            out, meta = ran[0], ran[1]
+            draft_out = ran[2] if self.draft is not None else None
             allocated = []  # from here on the pages belong to the insert/free step
             new_nodes = []
             for r, p, table, own in zip(reqs, prefix, tables, owners):
@@ -221,7 +233,8 @@ class CacheEngine:
                 for r in reqs]
         misses = (self.hicache.stats["load_misses"] if self.hicache else 0) - misses_before
         return CacheResult(out.logits, hits, int(self.device.ledger.used[self.rank]), out.topk if return_topk else None,
-                           meta if return_topk else None, misses)
+                           meta if return_topk else None, misses,
+                           draft_logits=draft_out.logits if draft_out is not None else None)
 
 
 def default_capacity(token_lists, page_size: int) -> int:

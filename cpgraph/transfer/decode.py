@@ -193,4 +193,5 @@ def decode_step(model, layout, pool: KVPool, tokens: Sequence[int], seq_lens: Se
     meta = decode_meta(seq_lens, tables, pool.config.page_size, model.device)
     ids = torch.tensor(list(tokens), dtype=torch.int64, device=model.device)
     index = [pool.index_pool(i) for i in model.config.indexer_layers]
-    return model(ids, meta, pool.mla, index, layout).logits
+    # A pool that also holds the MTP draft layer keeps it after the target's layers.
+    return model(ids, meta, pool.mla[: model.config.num_hidden_layers], index, layout).logits

@@ -15,6 +15,11 @@ Each request's transfer chunk k covers logical pages
 ``[start // page_size, ceil(end / page_size))`` (absolute), the first
 transferred chunk of a request also covers its cached prefix pages (they are
 final before the forward starts), and the last chunk carries the aux record.
+
+With a ``draft`` forward (the MTP layer, docs/mtp.md) the pool holds one
+more logical layer, id ``num_hidden_layers``; each pass runs the draft right
+after the target, before the chunk is finished, so the draft's pages travel
+with the chunk like any other layer's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from cpgraph.plan import plan_prefill
-from cpgraph.runtime.engine import check_prompts, pool_config
+from cpgraph.runtime.engine import check_prompts, draft_pools, pool_config
 from cpgraph.runtime.kv_pool import KVPool
 
 
@@ -45,6 +50,7 @@ class DriverResult:
     owners: list[list[int]]
     statuses: dict[int, int] = field(default_factory=dict)
     forward_seconds: float = 0.0
+    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # request -> the draft's fp32 [vocab]
 
 
 def schedule(lens: Sequence[int], prefix: Sequence[int], chunk_tokens: int | None) -> list[Pass]:
@@ -81,11 +87,14 @@ def plan_passes(token_lists, prefix_lens, chunk_tokens, page_size: int, cp_size:
 
 
 def make_pool(model, token_lists, *, prefix_lens=None, chunk_tokens=None, kv_format="bf16", page_size=16,
-              rank=0, cp_size=1, spare_pages: int = 0) -> KVPool:
-    """A pool for rank ``rank`` holding exactly its owned pages of the batch (plus ``spare_pages``)."""
+              rank=0, cp_size=1, spare_pages: int = 0, draft: bool = False) -> KVPool:
+    """A pool for rank ``rank`` holding exactly its owned pages of the batch (plus ``spare_pages``).
+
+    ``draft``: with the MTP draft layer's storage (layer ``num_hidden_layers``).
+    """
     *_, owners = plan_passes(token_lists, prefix_lens, chunk_tokens, page_size, cp_size, model.config.vocab_size)
     owned = sum(o.count(rank) for o in owners)
-    return KVPool(pool_config(model, kv_format, page_size, owned + spare_pages, rank))
+    return KVPool(pool_config(model, kv_format, page_size, owned + spare_pages, rank, draft=draft))
 
 
 @torch.no_grad()
@@ -93,21 +102,31 @@ def prefill_and_send(forward: Callable, model, token_lists, *, prefix_lens=None,
                      kv_format: str = "bf16", page_size: int = 16, rank: int = 0, cp_size: int = 1,
                      pool: KVPool | None = None, peer=None, rooms: Sequence[int] | None = None,
                      overlap: bool = True, register_timeout: float = 10.0,
-                     on_pass: Callable | None = None) -> DriverResult:
-    """Prefill as rank ``rank``; with ``peer`` (a :class:`PrefillPeer` over ``pool``) send each chunk of ``rooms[i]``."""
+                     on_pass: Callable | None = None, draft: Callable | None = None) -> DriverResult:
+    """Prefill as rank ``rank``; with ``peer`` (a :class:`PrefillPeer` over ``pool``) send each chunk of ``rooms[i]``.
+
+    ``draft``: the MTP draft forward, run after the target in every pass on
+    its CP-local hidden rows (``forward`` is then called with
+    ``return_local_hidden=True``); the pool must hold the draft layer.
+    """
     import time
 
-    from cpgraph.models.batch import build_batch
+    from cpgraph.models.batch import build_batch, build_draft_inputs
 
     lists, passes, plans, new_owners, owners = plan_passes(token_lists, prefix_lens, chunk_tokens, page_size,
                                                            cp_size, model.config.vocab_size)
     B = len(lists)
     if pool is None:
-        pool = KVPool(pool_config(model, kv_format, page_size, sum(o.count(rank) for o in owners), rank))
+        pool = KVPool(pool_config(model, kv_format, page_size, sum(o.count(rank) for o in owners), rank,
+                                  draft=draft is not None))
     if peer is not None and peer.pool is not pool:
         raise ValueError("peer must be built over the pool the driver writes")
+    N = model.config.num_hidden_layers
+    if draft is not None and pool.config.num_layers != N + 1:
+        raise ValueError(f"a draft forward needs a pool with the draft layer ({N + 1} layers), got "
+                         f"{pool.config.num_layers}: build it with make_pool(..., draft=True)")
     tables: list[list[int]] = [[] for _ in range(B)]
-    mla = pool.mla
+    mla = pool.mla[:N]
     index = [pool.index_pool(i) for i in model.config.indexer_layers]
     result = DriverResult({}, pool, tables, owners)
     sent_once = [False] * B
@@ -128,11 +147,19 @@ def prefill_and_send(forward: Callable, model, token_lists, *, prefix_lens=None,
                 chunks.append((i, e, peer.begin_chunk(room, tables[i], first, -(-e // page_size),
                                                       last=e == len(lists[i]), overlap=overlap)))
         t0 = time.perf_counter()
-        out = forward(ids, meta, mla, index)
+        if draft is None:
+            out = forward(ids, meta, mla, index)
+        else:
+            out = forward(ids, meta, mla, index, return_local_hidden=True)
+            dinputs = build_draft_inputs(plan, [lists[i] for i in p.requests], out.logits.argmax(-1), model.device,
+                                         rank=rank)
+            dout = draft(out.local_hidden, dinputs, meta, *draft_pools(pool, model))
         result.forward_seconds += time.perf_counter() - t0
         for j, (i, e) in enumerate(zip(p.requests, p.ends)):
             if e == len(lists[i]):
                 result.logits[i] = out.logits[j].float()
+                if draft is not None:
+                    result.draft_logits[i] = dout.logits[j].float()
         for i, e, ch in chunks:
             first = int(out.logits[p.requests.index(i)].argmax()) if e == len(lists[i]) else None
             result.statuses[rooms[i]] = int(peer.end_chunk(ch, first_token=first, prompt_len=len(lists[i])))

@@ -262,5 +262,7 @@ def attach_layer_hooks(model, manager: LayerTransferManager, pool=None,
     """
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise ValueError("attach_layer_hooks needs a cpgraph DSA model (model.model.layers)")
-    buffers = None if pool is None else [pool.mla_pool(i) for i in range(len(model.model.layers))]
+    # Every logical layer of the pool: the target's and, when the pool holds it, the MTP draft layer.
+    n = getattr(getattr(pool, "config", None), "num_layers", len(model.model.layers))
+    buffers = None if pool is None else [pool.mla_pool(i) for i in range(n)]
     return [_LayerHookHandle(manager, buffers, on_fallback)]
