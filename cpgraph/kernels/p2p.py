@@ -15,7 +15,21 @@ Runs are planned on the host from the plan (same list on every rank, so
 the sends and receives pair up in order per peer): ``(src_rank, src_row,
 dst_row, length)``.  Nothing reads device data on the host.
 
-Selection: this is an optional provider of ``cpgraph::cp_rerange`` on CUDA,
+Two entry points:
+
+* ``cpgraph::cp_rerange_p2p`` (what the compiled CP forward uses on CUDA +
+  NCCL, see ``rerange_form`` in :mod:`cpgraph.ops.collectives`): its CUDA
+  provider :func:`cp_rerange_p2p_blocks` needs no host runs.  Every message
+  is a rank's whole ``M``-row block (a shape, so nothing is read from the
+  device and the call can be captured in a CUDA graph); peers' blocks land
+  in a staging buffer laid out like the all-gather, this rank's rows are
+  placed on a side stream while the transfer runs, the peers' rows by one
+  gather pass after it.  Registered on import for ``cuda``.
+* the run-based path below (:func:`rerange_p2p`), which also skips dummy
+  rows and receives straight into the output where a peer's rows form one
+  run, but needs the host runs of each batch.
+
+Selection of the run-based path: an optional provider of ``cpgraph::cp_rerange`` on CUDA,
 registered only when ``CPGRAPH_RERANGE=p2p`` (``cpgraph.kernels`` does it at
 import; the provider registry logs the choice once).  The provider needs
 the runs of the ``rerange_index`` it is given: attach them once per batch
@@ -310,3 +324,93 @@ def cp_rerange_p2p(rows: torch.Tensor, rerange_index: torch.Tensor, group_name: 
 def enabled() -> bool:
     """``CPGRAPH_RERANGE=p2p`` selects the folded rerange."""
     return os.environ.get(ENV, "").strip().lower() == PROVIDER_NAME
+
+
+# ------------------------------------------------------ block provider (compiled path)
+def exchange_and_place(rows: torch.Tensor, rerange_index: torch.Tensor, group) -> torch.Tensor:
+    """``out[t] = gathered[rerange_index[t]]`` with the gathered rows moved as one P2P block per ordered pair.
+
+    No host runs: each rank sends all its ``M`` rows (dummies included, as
+    the all-gather does) to every peer and receives each peer's block at
+    ``q * M`` of a staging buffer.  This rank's own rows are placed from
+    ``rows`` on a side stream while the transfer runs (CUDA; after it on
+    CPU), the peers' rows by one gather pass that skips the own range.
+    Nothing here reads device data or depends on anything but shapes and
+    the rank, so it is CUDA-graph capturable (warm the NCCL communicator up
+    before capturing).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    m = rows.shape[0]
+    rows = rows.contiguous()
+    out = rows.new_empty((rerange_index.shape[0], *rows.shape[1:]))
+    if world == 1 or m == 0:
+        if m:
+            _gather_rows(rows, out, rerange_index, 0, m, keep=True)
+        return out
+    staging = rows.new_empty((world * m, *rows.shape[1:]))
+    ops = []
+    for q in range(world):
+        if q == rank:
+            continue
+        peer = dist.get_global_rank(group, q)
+        ops.append(dist.P2POp(dist.isend, rows, peer, group))
+        ops.append(dist.P2POp(dist.irecv, staging[q * m : (q + 1) * m], peer, group))
+    own = (rank * m, rank * m + m)
+    if rows.is_cuda:
+        side = _side_stream(rows.device)
+        side.wait_stream(torch.cuda.current_stream(rows.device))
+        works = dist.batch_isend_irecv(ops)
+        with torch.cuda.stream(side):  # transfer enqueued first, then the local pass beside it
+            _gather_rows(rows, out, rerange_index, *own, keep=True)
+        for work in works:
+            work.wait()  # the current stream waits for the transfer (no host sync)
+        _gather_rows(staging, out, rerange_index, *own, keep=False)
+        torch.cuda.current_stream(rows.device).wait_stream(side)
+    else:  # CPU (gloo): blocking transfer, then the two placement passes (Triton only under the interpreter)
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if _kernel_ok(rows):
+            _gather_rows(rows, out, rerange_index, *own, keep=True)
+            _gather_rows(staging, out, rerange_index, *own, keep=False)
+        else:
+            staging[own[0] : own[1]].copy_(rows)
+            out = torch.ops.cpgraph.take_rows(staging, rerange_index)
+    return out
+
+
+def cp_rerange_p2p_blocks(
+    rows: torch.Tensor, rerange_index: torch.Tensor, group_name: str, world_size: int, min_bytes: int
+) -> torch.Tensor:
+    """Provider of ``cpgraph::cp_rerange_p2p`` (the op's arguments; bit-equal to its reference)."""
+    from cpgraph.ops.collectives import (
+        RERANGE_P2P_BACKENDS,
+        cp_rerange_decomposed,
+        group_backend,
+        rerange_payload_bytes,
+        resolve_group,
+    )
+
+    if rerange_payload_bytes(rows) < min_bytes:
+        return cp_rerange_decomposed(rows, rerange_index, group_name, world_size)
+    group = resolve_group("cp_rerange_p2p", group_name, world_size)
+    if rows.is_cuda and group_backend(group_name, "cuda") not in RERANGE_P2P_BACKENDS:
+        # A cached graph lowered for NCCL run on another backend: same bytes through the all-gather form.
+        if "backend" not in _WARNED:
+            _WARNED.add("backend")
+            log.warning("cpgraph::cp_rerange_p2p: group %r is not NCCL; using the all-gather path", group_name)
+        return cp_rerange_decomposed(rows, rerange_index, group_name, world_size)
+    return exchange_and_place(rows, rerange_index, group)
+
+
+def register_block_provider(device_types=("cuda",)) -> None:
+    """Make :func:`cp_rerange_p2p_blocks` the provider of ``cpgraph::cp_rerange_p2p`` on ``device_types``."""
+    import cpgraph.ops  # noqa: F401  (the op must exist before its provider)
+    from cpgraph.ops.providers import register_provider
+
+    for device_type in device_types:
+        register_provider("cp_rerange_p2p", device_type, BLOCK_PROVIDER_NAME, cp_rerange_p2p_blocks)
+
+
+BLOCK_PROVIDER_NAME = "p2p_blocks"
+# Registered on import: ``cpgraph.kernels`` imports this module when it registers its providers.
+register_block_provider()

@@ -204,3 +204,120 @@ def cp_last_tokens(rows: Tensor, last_token_index: Tensor, group_name: str, worl
 def _cp_last_tokens_fake(rows, last_token_index, group_name, world_size):
     _check_last_tokens(rows, last_token_index, group_name, world_size)
     return rows.new_empty((last_token_index.shape[0], *rows.shape[1:]))
+
+
+# ------------------------------------------------------------ cp_rerange_p2p
+# Per-rank payload (``M`` rows x row bytes) below which the P2P form takes the all-gather
+# path inside the op (rerange_nccl_bench.py measures both around it; docs/ops/collectives.md).
+RERANGE_P2P_MIN_BYTES = 8 << 20
+# Process-group backends whose P2P transfers the compiled forward may rely on.
+RERANGE_P2P_BACKENDS = ("nccl",)
+
+
+def rerange_form(device_type: str, backend: str | None) -> str:
+    """Which rerange the lowered CP forward uses: ``"p2p"`` or ``"all_gather"``.
+
+    Static facts only (known when the graph is lowered, the same on every
+    rank): P2P where the rows live on CUDA and the group runs NCCL (2 H200s:
+    1.01x the raw all-gather at 128K tokens, 1.16x at 32K, against 1.26x and
+    1.29x for all-gather + placement); the all-gather form elsewhere (CPU /
+    gloo graphs, where a functional collective lets Inductor see the
+    communication and nothing was measured to beat it).  The per-call size
+    threshold is not decided here: rows per rank are symbolic at lowering
+    time, so ``cp_rerange_p2p`` compares its payload with ``min_bytes`` when
+    it runs (shape arithmetic, no sync, the same answer on every rank).
+    """
+    return "p2p" if device_type == "cuda" and (backend or "").lower() in RERANGE_P2P_BACKENDS else "all_gather"
+
+
+def group_backend(group_name: str, device_type: str) -> str | None:
+    """The backend the group named ``group_name`` uses for ``device_type`` tensors (``None`` if unknown).
+
+    Host side, this process's group registry (read when lowering, and by
+    the P2P provider); a group that cannot be resolved gives ``None``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        spec = str(dist.get_backend(_resolve_process_group(group_name))).lower()
+    except Exception:  # unknown name, no default group: nothing to rely on
+        return None
+    if ":" not in spec:
+        return spec
+    per_device = dict(item.split(":", 1) for item in spec.split(",") if ":" in item)
+    return per_device.get(device_type)
+
+
+def _check_rerange_p2p(rows, rerange_index, group_name, world_size, min_bytes) -> None:
+    _check_rerange(rows, rerange_index, group_name, world_size)
+    check_size_arg("cp_rerange_p2p", "min_bytes", min_bytes, 0)
+
+
+def rerange_payload_bytes(rows: Tensor) -> int:
+    """Bytes one rank contributes to a rerange (its ``M`` rows, dummies included)."""
+    return rows.numel() * rows.element_size()
+
+
+def exchange_blocks(rows: Tensor, group) -> Tensor:
+    """``[world * M, ...]`` rank-major, like the all-gather, but from one P2P message per ordered pair.
+
+    The reference transfer of ``cp_rerange_p2p`` (any backend with P2P:
+    gloo on CPU, NCCL on CUDA).  Every message size is ``M`` rows (a shape),
+    so no rank needs another rank's counts and nothing reads device data.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    m = rows.shape[0]
+    rows = rows.contiguous()
+    staging = rows.new_empty((world * m, *rows.shape[1:]))
+    staging[rank * m : (rank + 1) * m].copy_(rows)
+    ops = []
+    for q in range(world):
+        if q == rank or m == 0:
+            continue
+        peer = dist.get_global_rank(group, q)
+        ops.append(dist.P2POp(dist.isend, rows, peer, group))
+        ops.append(dist.P2POp(dist.irecv, staging[q * m : (q + 1) * m], peer, group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return staging
+
+
+def cp_rerange_p2p_reference(
+    rows: Tensor, rerange_index: Tensor, group_name: str, world_size: int, min_bytes: int
+) -> Tensor:
+    """Torch reference of ``cpgraph::cp_rerange_p2p``: P2P block exchange, then ``take_rows``."""
+    _check_rerange_p2p(rows, rerange_index, group_name, world_size, min_bytes)
+    if rerange_payload_bytes(rows) < min_bytes:
+        return cp_rerange_decomposed(rows, rerange_index, group_name, world_size)
+    check_index_range("cp_rerange_p2p", "rerange_index", rerange_index, 0, world_size * rows.shape[0])
+    group = resolve_group("cp_rerange_p2p", group_name, world_size)
+    return torch.ops.cpgraph.take_rows(exchange_blocks(rows, group), rerange_index)
+
+
+@torch.library.custom_op("cpgraph::cp_rerange_p2p", mutates_args=())
+def cp_rerange_p2p(rows: Tensor, rerange_index: Tensor, group_name: str, world_size: int, min_bytes: int) -> Tensor:
+    """``cp_rerange`` as point-to-point transfers: same arguments and result, bit for bit, plus ``min_bytes``.
+
+    What the lowered CP forward uses where :func:`rerange_form` says
+    ``"p2p"``.  Each rank sends its ``M`` rows to every peer as one message
+    (sizes are shapes: no host sync, capturable in a CUDA graph); the CUDA
+    provider (``cpgraph.kernels.p2p``) places this rank's own rows on a side
+    stream while the transfer runs and the peers' rows by one gather after
+    it, so only ``(world - 1) / world`` of the placement follows the
+    transfer.  Below ``min_bytes`` of payload per rank (see
+    ``RERANGE_P2P_MIN_BYTES``) it runs the all-gather form instead: the same
+    bytes, from the path that is faster for small messages.
+    """
+    _check_rerange_p2p(rows, rerange_index, group_name, world_size, min_bytes)
+    resolve_group("cp_rerange_p2p", group_name, world_size)
+    impl = select("cp_rerange_p2p", rows.device.type, cp_rerange_p2p_reference)
+    return impl(rows, rerange_index, group_name, world_size, min_bytes)
+
+
+@cp_rerange_p2p.register_fake
+def _cp_rerange_p2p_fake(rows, rerange_index, group_name, world_size, min_bytes):
+    _check_rerange_p2p(rows, rerange_index, group_name, world_size, min_bytes)
+    return rows.new_empty((rerange_index.shape[0], *rows.shape[1:]))

@@ -14,19 +14,36 @@ Before::                                       After::
     kv, kf = cp_materialize_kv(P, C, src, g, 2)    b = cat(bytes(P)); c = cat(bytes(C))
                                                    w = wait_tensor(all_gather_into_tensor(cat(b, c), 2, g))
                                                    kv = view(take_rows(w[:, :W0], src)); kf = ...
+
+The rerange is the exception where the all-gather form loses: on CUDA over
+NCCL (a static fact of the graph and its group, see
+``cpgraph.ops.collectives.rerange_form``) ``cp_rerange`` becomes the opaque
+``cp_rerange_p2p`` op instead, whose transfer overlaps the local placement
+(measured faster than gather + placement; docs/ops/collectives.md)::
+
+    hid = cp_rerange(x, rr_idx, g, 2)      hid = cp_rerange_p2p(x, rr_idx, g, 2, min_bytes)
+
+CPU / gloo graphs keep the decomposition.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from cpgraph.ops.collectives import cp_last_tokens_decomposed, cp_rerange_decomposed
+from cpgraph.ops.collectives import (
+    RERANGE_P2P_MIN_BYTES,
+    cp_last_tokens_decomposed,
+    cp_rerange_decomposed,
+    group_backend,
+    rerange_form,
+)
 from cpgraph.ops.materialize import cp_materialize_kv_decomposed
 
 from .config import CPConfig
-from .fx_utils import fake_mode_of, find_nodes
+from .fx_utils import fake_mode_of, find_nodes, insert_call
 
 _DECOMPOSITIONS = {
     "cpgraph.cp_materialize_kv": cp_materialize_kv_decomposed,
@@ -82,10 +99,26 @@ def _inline(graph: fx.Graph, node: fx.Node, fn) -> None:
     graph.erase_node(node)
 
 
+def _lower_rerange(graph: fx.Graph, node: fx.Node, cfg: CPConfig) -> bool:
+    """Swap ``cp_rerange`` for ``cp_rerange_p2p`` where :func:`rerange_form` says so; ``True`` if swapped."""
+    rows, index, group_name, world_size = node.args
+    device_type = rows.meta["val"].device.type
+    if rerange_form(device_type, group_backend(group_name, device_type)) != "p2p":
+        return False
+    with graph.inserting_before(node):
+        new = insert_call(graph, torch.ops.cpgraph.cp_rerange_p2p.default,
+                          (rows, index, group_name, world_size, RERANGE_P2P_MIN_BYTES))
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return True
+
+
 def lower_cp_collectives(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
-    """Replace CP ops by functional collectives + placement ops."""
+    """Replace CP ops by functional collectives + placement ops (the rerange by its P2P op on CUDA + NCCL)."""
     graph = gm.graph
     for name, fn in _DECOMPOSITIONS.items():
         for node in find_nodes(graph, name):
+            if name == "cpgraph.cp_rerange" and _lower_rerange(graph, node, cfg):
+                continue
             _inline(graph, node, fn)
     return gm
