@@ -136,6 +136,8 @@ def _check_run_flags(args: argparse.Namespace) -> None:
             raise InputError("--batch-size is not supported with --cache (each pass is one batch)")
     if args.prompt and args.prompts_file:
         raise InputError("give prompts with --prompt or with --prompts-file, not both")
+    if args.draft and args.cache:
+        raise InputError("--draft is not supported with --cache (run it without --cache)")
     if args.cp is None:
         if args.backend is not None:
             raise InputError("--backend applies to CP runs (the single-device run is eager); add --cp N")
@@ -186,6 +188,16 @@ def _print_top(args, prompts: _Prompts, prefix, logits) -> list[list[int]]:
     return top
 
 
+def _print_draft_top(args, prompts: _Prompts, sampled, draft_logits) -> list[list[int]]:
+    """Print each prompt's MTP draft top ids: its guess for the token after the target's sampled token."""
+    top = _top_ids(args, draft_logits)
+    for i, ids in enumerate(top):
+        words = prompts.decode_each(ids)
+        shown = f" = {words}" if words is not None else ""
+        print(f"{prompts.label(i)}: draft (MTP) after target token {int(sampled[i])}: top ids {ids}{shown}")
+    return top
+
+
 def _text_payload(prompts: _Prompts, top) -> dict:
     """``--json`` keys of a run with text prompts: the texts and each top id decoded."""
     if prompts.tokenizer is None:
@@ -213,6 +225,12 @@ def _print_providers(device_type: str, table: dict[str, str]) -> None:
         print(f"  {name}: {', '.join(ops)}")
 
 
+def _is_bundled(model) -> bool:
+    from cpgraph.models.config import bundled_names
+
+    return str(model) in bundled_names()
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import time
 
@@ -228,6 +246,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         check_batch_flags(page_size=DEFAULT_PAGE_SIZE, cp=cp, device=args.device, batch_size=args.batch_size)
         cfg = model_config(args.model)  # config.json only: prompts and flags are checked before any weight is read
         check_weights(args.model, args.weights, cfg)
+        if args.draft and cfg.num_nextn_predict_layers < 1 and not _is_bundled(args.model):
+            raise InputError(f"--draft: {args.model} declares no MTP layer (num_nextn_predict_layers is 0 or absent)")
         if args.prompt:
             raw = list(args.prompt)
         elif args.prompts_file:
@@ -240,7 +260,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         model = None
         if args.cp is None:  # the ranks load their own weights
             t_load = time.perf_counter()
-            model = from_pretrained(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
+            model = from_pretrained(args.model, dtype=args.dtype, device=args.device, weights=args.weights,
+                                    draft=args.draft)
             make_layout(model, args.kv_format, DEFAULT_PAGE_SIZE)  # a KV format the model cannot store
             progress(f"loaded {args.model} ({model.config.model_type}) on {args.device} in "
                      f"{time.perf_counter() - t_load:.2f} s")
@@ -266,20 +287,30 @@ def _run_single(args, model, prompts: _Prompts, prefix, progress) -> int:
 
     ids = prompts.ids
     bs = args.batch_size if args.batch_size is not None else len(ids)
-    logits, kv_bytes = [], 0
+    logits, kv_bytes, draft_logits, sampled = [], 0, [], []
     t0 = time.perf_counter()
     batches = range(0, len(ids), bs)
     for n, start in enumerate(batches):
         sl = slice(start, start + bs)
         if len(batches) > 1:
             progress(f"batch {n + 1}/{len(batches)}: prompts {start}..{min(start + bs, len(ids)) - 1}")
-        res = prefill(model, ids[sl], prefix_lens=prefix[sl], kv_format=args.kv_format,
-                      page_size=DEFAULT_PAGE_SIZE, progress=progress)
+        if args.draft:
+            res = _prefill_with_draft(model, ids[sl], prefix[sl], args.kv_format, progress)
+            draft_logits.append(res.draft_logits.float().cpu())
+            sampled += res.sampled.tolist()
+        else:
+            res = prefill(model, ids[sl], prefix_lens=prefix[sl], kv_format=args.kv_format,
+                          page_size=DEFAULT_PAGE_SIZE, progress=progress)
         logits.append(res.logits.float().cpu())
         kv_bytes = max(kv_bytes, res.kv_bytes)
     elapsed = time.perf_counter() - t0
     out = torch.cat(logits)
     top = _print_top(args, prompts, prefix, out)
+    draft_extra = {}
+    if args.draft:
+        draft_out = torch.cat(draft_logits)
+        draft_top = _print_draft_top(args, prompts, sampled, draft_out)
+        draft_extra = {"draft_logits": draft_out.tolist(), "draft_top_ids": draft_top, "draft_after": sampled}
     tokens = sum(len(p) for p in ids)
     weight_bytes = weight_bytes_per_rank(model)
     print(
@@ -290,9 +321,24 @@ def _run_single(args, model, prompts: _Prompts, prefix, progress) -> int:
     _print_providers(model.device.type, providers)
     if args.json:
         payload = _run_payload(args, prompts, prefix, out, top, kv_bytes=kv_bytes, weight_bytes=weight_bytes,
-                               weights=args.weights or "dequantize", device=args.device, providers=providers, seconds=elapsed)
+                               weights=args.weights or "dequantize", device=args.device, providers=providers, seconds=elapsed,
+                               **draft_extra)
         _write_json(args.json, payload, progress)
     return 0
+
+
+def _prefill_with_draft(model, ids, prefix, kv_format: str, progress):
+    """One eager single-device batch with the MTP draft run after the target (``run_prefill(draft=...)``)."""
+    from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, make_layout
+    from cpgraph.runtime.engine import run_prefill
+
+    model.kv_layout = make_layout(model, kv_format, DEFAULT_PAGE_SIZE)
+
+    def forward(i, meta, mla, index, **kw):
+        return model(i, meta, mla, index, **kw)
+
+    return run_prefill(forward, model, ids, prefix_lens=prefix, kv_format=kv_format, page_size=DEFAULT_PAGE_SIZE,
+                       progress=progress, draft=model.draft_module())
 
 
 def _write_json(path: str, payload: dict, progress) -> None:
@@ -381,7 +427,7 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
                      kv_format=args.kv_format, dtype=args.dtype, weights=args.weights, backend=backend,
                      page_size=DEFAULT_PAGE_SIZE,
                      cache=args.cache, evict=args.evict, log_level=logging.getLogger("cpgraph").level,
-                     **_cache_kwargs(args))
+                     draft=args.draft, **_cache_kwargs(args))
     # On a terminal, a line every 10 s while a rank compiles; in a log, one line per phase.
     heartbeat = 10.0 if sys.stderr.isatty() and not args.quiet else None
     res = run_cp(spec, progress=None if args.quiet else progress, heartbeat=heartbeat)
@@ -392,6 +438,13 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     same = torch.equal(out, res.reference)
     print(cp_timing_line(args.cp, args.device, backend, res))
     print(f"vs single-device eager: max |diff| {diff:.3e} (relative {rel:.3e}){' - bit-identical' if same else ''}")
+    draft_extra = {}
+    if args.draft:
+        draft_top = _print_draft_top(args, prompts, res.sampled, res.draft_logits)
+        ddiff = (res.draft_logits - res.draft_reference).abs().max().item()
+        print(f"draft vs single-device eager draft: max |diff| {ddiff:.3e}")
+        draft_extra = {"draft_logits": res.draft_logits.tolist(), "draft_top_ids": draft_top,
+                       "draft_after": [int(t) for t in res.sampled], "draft_max_abs_diff_vs_single_device": ddiff}
     for r, (b, n, w) in enumerate(zip(res.kv_bytes_per_rank, res.pages_per_rank, res.weight_bytes_per_rank)):
         print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(res.replicated_bytes, 1):.3f} of a replicated cache "
               f"({res.replicated_bytes} bytes); weights {w} bytes")
@@ -402,7 +455,7 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
                                weight_bytes_per_rank=res.weight_bytes_per_rank, providers=res.providers,
                                weights=args.weights or "dequantize",
                                replicated_kv_bytes=res.replicated_bytes, seconds=res.seconds,
-                               computed_tokens=res.tokens_computed, cached_tokens=res.tokens_cached)
+                               computed_tokens=res.tokens_computed, cached_tokens=res.tokens_cached, **draft_extra)
         if res.cache is not None:
             payload.update(second_pass_logits=res.cache["second"].tolist(), hits=res.cache["hits"],
                            evicted_pages=res.cache["evicted_pages"], hicache=res.cache["hicache"])
@@ -599,6 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--write-policy", choices=("write_through", "write_back"), default=None,
                    help="with --cache --evict: back up new cache nodes at insert (write_through, the default) or "
                         "at eviction (write_back)")
+    r.add_argument("--draft", action="store_true",
+                   help="also run the MTP draft layer (model.layers.{num_hidden_layers}; bundled models: a random one) "
+                        "on the target's hidden states and print its top tokens beside the target's: the draft "
+                        "predicts the token after the target's top-1 token (docs/mtp.md)")
     r.set_defaults(func=_cmd_run)
 
     d = sub.add_parser("pd", help="prefill on N CP ranks, send the KV to a decode process (Mooncake), decode a token")

@@ -46,6 +46,7 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--evict": "cpgraph run --model tiny-glm5 --cache --evict",
         "--cache-layout": "cpgraph run --model tiny-glm5 --cache --evict --cache-layout page_first",
         "--write-policy": "cpgraph run --model tiny-glm5 --cache --evict --write-policy write_back",
+        "--draft": "cpgraph run --model ./DeepSeek-V3.2 --device cuda --dtype bfloat16 --draft",
     },
     "memory": {
         None: "cpgraph memory --model-config ./DeepSeek-V3.2 --cp 8 --ep 8 --tokens 131072 --dtype fp8 --kv-format fp8",

@@ -54,6 +54,7 @@ class CPRunSpec:
     host_layout: str = "layer_page_first"
     write_policy: str = "write_through"
     log_level: int | None = None  # logging level for the cpgraph logger in each rank (None: leave as is)
+    draft: bool = False  # also run the MTP draft layer (a second compiled graph) after the target
 
 
 @dataclass
@@ -72,6 +73,9 @@ class CPRunResult:
     cache: dict | None = None  # with spec.cache: run_twice's summary (second-pass logits, hits per level)
     weight_bytes_per_rank: list[int] = field(default_factory=list)  # parameters + buffers each rank's model holds
     providers: dict[str, str] = field(default_factory=dict)  # op -> provider that computed it in rank 0's CP forward
+    draft_logits: torch.Tensor | None = None  # fp32 [B, vocab]: the CP draft's (with spec.draft)
+    draft_reference: torch.Tensor | None = None  # fp32 [B, vocab]: the single-device eager draft's
+    sampled: list[int] | None = None  # the target token each draft was given (the CP target's greedy token)
 
 
 def _free_port() -> int:
@@ -112,7 +116,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
         t0 = time.perf_counter()
         report(f"loading {spec.model}")
         reading_input = True
-        model = from_pretrained(spec.model, dtype=dtype, weights=spec.weights)
+        model = from_pretrained(spec.model, dtype=dtype, weights=spec.weights, draft=spec.draft)
         layout = make_layout(model, spec.kv_format, spec.page_size)
         reading_input = False
         report(f"loaded in {time.perf_counter() - t0:.1f} s")
@@ -127,6 +131,9 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
 
         kw = dict(prefix_lens=spec.prefix_lens, kv_format=spec.kv_format, page_size=spec.page_size,
                   rank=rank, cp_size=spec.cp)
+        if spec.draft:  # the draft is a graph of its own (docs/mtp.md), compiled with the same passes
+            kw["draft"] = compile(model.draft_module(), CPConfig(group=dist.group.WORLD, cp_size=spec.cp),
+                                  backend=spec.backend, dynamic=True)
         cache = None
         if spec.cache:
             cache, res, compile_s, seconds = _cached_runs(spec, forward, model, rank, cuda, report)
@@ -165,8 +172,11 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
                 return model(ids, meta, mla, index, **k)
 
             report("single-device eager reference")
+            dkw = {}
+            if spec.draft:  # the same target tokens as the CP run, so the drafts see the same inputs
+                dkw = dict(draft=model.draft_module(), draft_tokens=res.sampled.tolist())
             ref = reference_run(eager, model, spec.prompts, prefix_lens=spec.prefix_lens, kv_format=spec.kv_format,
-                                page_size=spec.page_size)
+                                page_size=spec.page_size, **dkw)
             payload = CPRunResult(
                 logits=logits,
                 reference=ref.logits.float().cpu(),
@@ -182,6 +192,10 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
                 weight_bytes_per_rank=[s[2] for s in stats],
                 providers=providers,
             )
+            if spec.draft:
+                payload.draft_logits = res.draft_logits.float().cpu().numpy()
+                payload.draft_reference = ref.draft_logits.float().cpu().numpy()
+                payload.sampled = res.sampled.tolist()
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:
@@ -301,6 +315,8 @@ def run_cp(spec: CPRunSpec, timeout: float = 900.0, progress: Callable[[str], No
     """
     cfg = model_config(spec.model)
     check_weights(spec.model, spec.weights, cfg)
+    if spec.draft and spec.cache:
+        raise InputError("the MTP draft is not supported with the cache run")
     prompts, _ = resolve_prompts(spec.prompts, spec.model, cfg.vocab_size)
     req = check_request(prompts, spec.prefix_lens, vocab=cfg.vocab_size, page_size=spec.page_size,
                         cp=spec.cp, device=spec.device)
@@ -328,4 +344,7 @@ def run_cp(spec: CPRunSpec, timeout: float = 900.0, progress: Callable[[str], No
     if payload.cache is not None:
         payload.cache["second"] = torch.from_numpy(payload.cache["second"])
     payload.reference = torch.from_numpy(payload.reference)
+    if payload.draft_logits is not None:
+        payload.draft_logits = torch.from_numpy(payload.draft_logits)
+        payload.draft_reference = torch.from_numpy(payload.draft_reference)
     return payload
