@@ -360,6 +360,71 @@ def _diff(a, b) -> dict:
     return out
 
 
+def memory_only(args, cps) -> list[dict]:
+    """Item 4 without GPUs: every rank's weight, routed-expert and KV-pool bytes as allocated (host tensors).
+
+    The same code as the GPU run (model shard per EP rank, ``KVPool`` sized by
+    the plan's page owners), so any cp can be checked on one machine; the
+    forward is not run.  Max over ranks against replicated and the memory plan.
+    """
+    import copy
+
+    from cpgraph.models.moe import local_expert_range, shard_experts
+    from cpgraph.plan import plan_prefill
+    from cpgraph.runtime.engine import pool_config
+    from cpgraph.runtime.kv_pool import KVPool
+
+    dev = torch.device("cpu")
+    full = _build_model(args, dev, 1, 0)
+    cfg = full.config
+    rows = []
+    for cp in cps:
+        for ep in [1] if cp == 1 else {"off": [1], "on": [cp], "both": [1, cp]}[args.ep]:
+            mems = []
+            for rank in range(cp):
+                model = full
+                if ep > 1:
+                    model = copy.deepcopy(full)
+                    shard_experts(model, local_expert_range(cfg.n_routed_experts, rank, ep))
+                mems.append(_weight_report(model, args, ep))
+                del model
+            for T in args.tokens:
+                for reqs in sorted({1, args.requests}):
+                    extend = [T // reqs] * reqs
+                    plan = plan_prefill([0] * reqs, extend, cp_size=cp, page_size=args.page)
+                    owners = [plan.page_owners(i) for i in range(reqs)]
+                    kv = []
+                    for rank in range(cp):
+                        pool = KVPool(pool_config(full, "bf16", args.page, sum(o.count(rank) for o in owners), rank))
+                        kv.append(pool.total_bytes())
+                        bpp = pool.bytes_per_page()
+                        del pool
+                    repl = sum(len(o) for o in owners) * bpp
+                    m0 = mems[0]
+                    rows.append({
+                        "cp": cp, "ep": ep, "tokens": T, "requests": reqs,
+                        "kv_bytes_max": max(kv), "kv_fraction": max(kv) / repl, "kv_target": 1 / cp,
+                        "kv_bytes_predicted": _kv_predicted(cfg, extend, cp, args.page, args.dtype),
+                        "weight_bytes_max": max(m["weight_bytes"] for m in mems),
+                        "weight_bytes_predicted": m0["weight_bytes_predicted"],
+                        "weight_bytes_replicated": m0["weight_bytes_replicated"],
+                        "expert_bytes_max": max(m["expert_bytes"] for m in mems),
+                        "expert_fraction": max(m["expert_bytes"] for m in mems) / m0["expert_bytes_replicated"],
+                        "expert_bytes_predicted": m0["expert_bytes_predicted"], "expert_target": 1 / ep,
+                    })
+    print(f"memory per rank ({args.model} model, {args.dtype}, page {args.page}; host allocations, no forward)")
+    print(f"{'cp':>3} {'ep':>3} {'tokens':>7} {'reqs':>4} {'KV MiB':>9} {'KV/repl':>8} {'1/cp':>6} {'KV/plan':>8} "
+          f"{'W MiB':>8} {'W/plan':>7} {'W/repl':>7} {'exp MiB':>8} {'exp/repl':>8} {'1/ep':>6} {'exp/plan':>8}")
+    for r in rows:
+        print(f"{r['cp']:>3} {r['ep']:>3} {r['tokens']:>7} {r['requests']:>4} {r['kv_bytes_max'] / 2**20:>9.1f} "
+              f"{r['kv_fraction']:>8.4f} {r['kv_target']:>6.3f} {r['kv_bytes_max'] / r['kv_bytes_predicted']:>8.4f} "
+              f"{r['weight_bytes_max'] / 2**20:>8.1f} {r['weight_bytes_max'] / r['weight_bytes_predicted']:>7.4f} "
+              f"{r['weight_bytes_max'] / r['weight_bytes_replicated']:>7.4f} {r['expert_bytes_max'] / 2**20:>8.1f} "
+              f"{r['expert_fraction']:>8.4f} {r['expert_target']:>6.3f} "
+              f"{r['expert_bytes_max'] / r['expert_bytes_predicted']:>8.4f}")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -379,7 +444,14 @@ def main():
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "cp_scaling.json"))
+    ap.add_argument("--memory-only", action="store_true",
+                    help="item 4 only, on the host: per-rank weight/expert/KV bytes for every --cp (no GPU needed)")
     args = ap.parse_args()
+    if args.memory_only:
+        rows = memory_only(args, args.cp or [1, 2, 4, 8])
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"device": "host", "args": vars(args), "memory": rows}, indent=2))
+        return
     n = torch.cuda.device_count() if args.device == "cuda" else 8
     if args.device == "cuda" and not n:
         raise SystemExit("cp_scaling: needs CUDA GPUs (or --device cpu)")
