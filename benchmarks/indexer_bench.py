@@ -24,13 +24,23 @@ Per shape one table row:
   *estimated* from the largest measured shape scaled by ``rows x N``, and
   marked ``~``.
 
-``--sweep`` first times scoring and selection variants at 32K (selection on
-one chunk of rows from the middle of the request, with and without the
-final sort), applies the fastest, and with ``--tuning-out`` saves it as a
-``CPGRAPH_INDEXER_TUNING`` file.
+With ``--fp8`` each shape also gets an ``fp8`` row: the FP8 form of
+``indexer_topk`` (``k_scale`` given: e4m3 operands of Hadamard-rotated q/k,
+ue8m0 scales) timed the same way, its scoring against ``torch._scaled_mm``.
+``--deep-gemm`` adds ``fp8-dg`` rows: DeepGEMM's mqa-logits kernel scoring
+the same chunks (``cpgraph.kernels.deep_gemm_indexer``), selected by the
+Triton selection; skipped with the import error when it does not load.
+``--profile SHAPE`` records the top kernels (``torch.profiler``) of one
+fused call per format at that shape.
+
+``--sweep`` first times scoring variants (bf16 and FP8 apart) and
+selection variants at 32K (selection on one chunk of rows from the middle
+of the request, with and without the final sort), applies the fastest,
+and with ``--tuning-out`` saves it as a ``CPGRAPH_INDEXER_TUNING`` file.
 
     python benchmarks/indexer_bench.py --json out.json
     python benchmarks/indexer_bench.py --sweep --tuning-out tune.json --fp8 --json out.json
+    PYTHONPATH=/path/to/deep_gemm python benchmarks/indexer_bench.py --fp8 --deep-gemm --profile 32k
 """
 
 from __future__ import annotations
@@ -50,11 +60,14 @@ SHAPES = {
     "8x4k": ([4096] * 8, [0] * 8),
     "ext8x32": ([32] * 8, [8192] * 8),
 }
-# --sweep variants at 32K.  Scoring: (MMA rows, key tile, warps, stages, keys on the M axis).
-SCORE_SWEEP = [(128, 128, 8, 2, False), (128, 128, 8, 2, True), (256, 128, 8, 2, True), (128, 128, 4, 2, True),
-               (256, 64, 8, 2, True), (128, 64, 4, 3, False)]
-# Selection: (block, warps, compact).
-SELECT_SWEEP = [(4096, 8, True), (4096, 8, False), (2048, 4, True), (8192, 8, True), (2048, 8, True), (1024, 4, True)]
+# --sweep variants at 32K.  Scoring: (MMA rows, key tile, warps, stages, keys on the M axis, FP8 group, maxnreg).
+SCORE_SWEEP = [(128, 128, 8, 2, False, 0, 0), (128, 128, 8, 2, True, 0, 0), (128, 128, 8, 2, True, 0, 128),
+               (128, 64, 4, 3, True, 0, 0), (256, 128, 8, 2, True, 0, 0)]
+FP8_SWEEP = [(128, 128, 8, 2, False, 32, 0), (128, 128, 8, 2, True, 0, 0), (128, 128, 8, 2, True, 0, 128),
+             (128, 64, 4, 3, True, 0, 0), (256, 128, 8, 2, True, 0, 0), (128, 64, 4, 3, True, 32, 0)]
+# Selection: (block, warps, compact, split_at, anchor shift, maxnreg); the first and third also without the sort.
+SELECT_SWEEP = [(4096, 8, False, 2, 18, 0), (4096, 8, True, 2, 18, 0), (4096, 8, True, 0, 18, 0),
+                (4096, 8, True, 0, 18, 128), (2048, 4, True, 0, 18, 0), (4096, 16, True, 0, 18, 0)]
 
 
 def _fail(msg: str) -> None:
@@ -78,6 +91,16 @@ def make_case(lens, prefix, fp8=False, seed=0):
     w = torch.randn(M, H, device="cuda", generator=g) * (H**-0.5 * D**-0.5)
     keys = sum(p * n + n * (n + 1) // 2 for n, p in zip(lens, prefix))
     return q, k, w, ks, ke, keys
+
+
+def fp8_case(q, k, w):
+    """The production FP8 operands of a bf16 case: Hadamard-rotated q/k as e4m3 bytes, ue8m0 scales."""
+    from cpgraph.ops import indexer as ix
+
+    q_bytes, w_q = ix.indexer_q_quant_reference(ix.hadamard_reference(q), w)
+    kh = ix.hadamard_reference(k)
+    k_scale = ix.ue8m0_scale(kh.float().abs().amax(-1))
+    return q_bytes, ix.e4m3_bytes(kh, k_scale), k_scale, w_q
 
 
 def time_ms(fn, budget_ms=600.0, max_reps=20):
@@ -140,7 +163,7 @@ def chunks(M, N, budget):
     return rows, [(a, min(rows, M - a)) for a in range(0, M, rows)]
 
 
-def run_shape(name, budget, ref_max_tokens, fp8):
+def run_shape(name, budget, ref_max_tokens, fp8, fp8_max_tokens, deep_gemm):
     from cpgraph.kernels import indexer as ki
     from cpgraph.ops import indexer as ix
 
@@ -151,44 +174,102 @@ def run_shape(name, budget, ref_max_tokens, fp8):
     rows, parts = chunks(M, N, budget)
     buf = torch.empty((rows, N), dtype=torch.float32, device="cuda")
 
-    def scoring(qq=q, kk=k, scale=None):
+    def scoring(qq=q, kk=k, ww=w, scale=None):
         for a, m in parts:
-            ki.score_rows(qq, kk, w, ks, ke, buf, a, m, k_scale=scale)
+            ki.score_rows(qq, kk, ww, ks, ke, buf, a, m, k_scale=scale)
 
-    row = {"shape": name, "rows": M, "keys_in_window": keys, "N": N, "budget_bytes": budget, "chunk_rows": rows,
-           "format": "bf16", "tuning": ki.tuning()}
+    base = {"shape": name, "rows": M, "keys_in_window": keys, "N": N, "budget_bytes": budget, "chunk_rows": rows}
+    row = {**base, "format": "bf16", "tuning": ki.tuning()}
     row["ms"] = time_ms(lambda: ki.indexer_topk(q, k, w, ks, ke, TOPK, budget))
     row["score_ms"] = time_ms(scoring)
-    row["select_ms"] = max(0.0, row["ms"] - row["score_ms"])  # the rest of the fused op: selection + launches
-    row["tflops"] = flops / (row["score_ms"] * 1e-3) / 1e12
-    row["dense_tflops"] = dense_rate(flops)
-    row["pct_gemm"] = 100 * row["tflops"] / row["dense_tflops"]
-    row["select_pct"] = 100 * row["select_ms"] / row["ms"]
+    dense = dense_rate(flops)
+    finish(row, flops, dense)
     if M * N <= ref_max_tokens**2:  # the reference scores every column: its cost follows M * N
         row["ref_ms"] = once_ms(lambda: ix.indexer_topk_reference(q, k, w, ks, ke, TOPK, budget))
         row["ref_estimated"] = False
     out_rows = [row]
-    if fp8 and sum(lens) + sum(prefix) <= 32768:
-        qh, kh = ix.hadamard_reference(q), ix.hadamard_reference(k)
-        q_bytes, _ = ix.indexer_q_quant_reference(qh, w)
-        k_scale = ix.ue8m0_scale(kh.float().abs().amax(-1))
-        k_bytes = ix.e4m3_bytes(kh, k_scale)
-        del qh, kh
+    if fp8 and sum(lens) + sum(prefix) <= fp8_max_tokens:
+        q_bytes, k_bytes, k_scale, w_q = fp8_case(q, k, w)
+        del q
         f8 = torch.float8_e4m3fn
-        frow = {key: row[key] for key in ("shape", "rows", "keys_in_window", "N", "budget_bytes", "chunk_rows")}
-        frow["format"] = "fp8"
-        frow["score_ms"] = time_ms(lambda: scoring(q_bytes.view(f8), k_bytes.view(f8), k_scale))
-        frow["tflops"] = flops / (frow["score_ms"] * 1e-3) / 1e12
-        frow["dense_tflops"] = dense_rate(flops, fp8=True)
-        frow["pct_gemm"] = 100 * frow["tflops"] / frow["dense_tflops"]
+        dense8 = dense_rate(flops, fp8=True)
+        frow = {**base, "format": "fp8"}
+        frow["ms"] = time_ms(lambda: ki.indexer_topk(q_bytes, k_bytes, w_q, ks, ke, TOPK, budget, k_scale))
+        frow["score_ms"] = time_ms(lambda: scoring(q_bytes.view(f8), k_bytes.view(f8), w_q, k_scale))
+        finish(frow, flops, dense8)
+        if M * N <= ref_max_tokens**2:
+            frow["ref_ms"] = once_ms(lambda: ix.indexer_topk_reference(q_bytes, k_bytes, w_q, ks, ke, TOPK, budget,
+                                                                        k_scale))
+            frow["ref_estimated"] = False
         out_rows.append(frow)
-    del buf, q, k
+        if deep_gemm:
+            from cpgraph.kernels import deep_gemm_indexer as dg
+
+            drow = {**base, "format": "fp8-dg", "kernel": dg.kernel_name()}
+            try:
+                drow["ms"] = time_ms(lambda: dg.indexer_topk(q_bytes, k_bytes, w_q, ks, ke, TOPK, budget, k_scale))
+                drow["score_ms"] = time_ms(lambda: [dg._logits(q_bytes[a:a + m], k_bytes, k_scale, w_q[a:a + m],
+                                                               ks[a:a + m], ke[a:a + m]) for a, m in parts])
+                finish(drow, flops, dense8)
+                if M * N <= ref_max_tokens**2:
+                    drow["ref_ms"], drow["ref_estimated"] = frow["ref_ms"], False
+                out_rows.append(drow)
+            except Exception as exc:  # noqa: BLE001 - a failing optional provider is reported, not fatal
+                print(f"{name}: deep_gemm failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    del buf, k
     torch.cuda.empty_cache()
     return out_rows
 
 
-def sweep(budget, out_path=None):
-    """Time scoring and selection variants at 32K; apply (and optionally save) the fastest."""
+def finish(row, flops, dense):
+    """Rates and shares of one row: scoring TFLOP/s, share of the dense GEMM, selection share of the op."""
+    row["select_ms"] = max(0.0, row["ms"] - row["score_ms"])  # the rest of the fused op: selection + launches
+    row["tflops"] = flops / (row["score_ms"] * 1e-3) / 1e12
+    row["dense_tflops"] = dense
+    row["pct_gemm"] = 100 * row["tflops"] / dense
+    row["select_pct"] = 100 * row["select_ms"] / row["ms"]
+
+
+def profile(name, budget, fp8, deep_gemm):
+    """Top CUDA kernels of one fused call per format at ``name`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from cpgraph.kernels import indexer as ki
+
+    lens, prefix = SHAPES[name]
+    q, k, w, ks, ke, _ = make_case(lens, prefix)
+    calls = {"bf16": lambda: ki.indexer_topk(q, k, w, ks, ke, TOPK, budget)}
+    if fp8:
+        q_bytes, k_bytes, k_scale, w_q = fp8_case(q, k, w)
+        calls["fp8"] = lambda: ki.indexer_topk(q_bytes, k_bytes, w_q, ks, ke, TOPK, budget, k_scale)
+        if deep_gemm:
+            from cpgraph.kernels import deep_gemm_indexer as dg
+
+            calls["fp8-dg"] = lambda: dg.indexer_topk(q_bytes, k_bytes, w_q, ks, ke, TOPK, budget, k_scale)
+    report = {}
+    for fmt, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        events.sort(key=lambda e: e.device_time_total, reverse=True)
+        total = sum(e.device_time_total for e in events)
+        top = [{"kernel": e.key[:90], "ms": e.device_time_total / 1e3, "calls": e.count,
+                "share": e.device_time_total / max(total, 1e-9)} for e in events[:8]]
+        report[fmt] = {"total_ms": total / 1e3, "top": top}
+        print(f"profile {name} {fmt}: {total / 1e3:.2f} ms of kernels", flush=True)
+        for t in top:
+            print(f"  {t['ms']:9.3f} ms {100 * t['share']:5.1f} % x{t['calls']:<4} {t['kernel']}", flush=True)
+    del q, k
+    torch.cuda.empty_cache()
+    return report
+
+
+def sweep(budget, fp8, out_path=None):
+    """Time scoring (bf16 and FP8 apart) and selection variants at 32K; apply (and optionally save) the fastest."""
     from cpgraph.kernels import indexer as ki
 
     lens, prefix = SHAPES["32k"]
@@ -198,56 +279,77 @@ def sweep(budget, out_path=None):
     buf = torch.empty((rows, N), dtype=torch.float32, device="cuda")
     flops = 2 * H * D * keys
     best = {}
-    results = {"score": [], "select": []}
-    for mma_rows, tile, warps, stages, keys_m in SCORE_SWEEP:
-        kw = dict(rows_per_block=mma_rows // H, key_tile=tile, num_warps=warps, num_stages=stages, keys_m=keys_m)
-        try:
-            ms = time_ms(lambda: [ki.score_rows(q, k, w, ks, ke, buf, a, m, **kw) for a, m in parts], budget_ms=250.0)
-        except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
-            print(f"score {mma_rows, tile, warps, stages, keys_m}: failed: {str(exc)[:200]}", flush=True)
-            continue
-        tf = flops / (ms * 1e-3) / 1e12
-        results["score"].append({"variant": [mma_rows, tile, warps, stages, keys_m], "ms": ms, "tflops": tf})
-        print(f"score {mma_rows, tile, warps, stages, keys_m}: {ms:.3f} ms, {tf:.1f} TFLOP/s", flush=True)
-        if "score_ms" not in best or ms < best["score_ms"]:
-            best.update(score_ms=ms, MMA_ROWS=mma_rows, KEY_TILE=tile, SCORE_WARPS=warps, SCORE_STAGES=stages,
-                        KEYS_M=keys_m)
+    results = {"score": [], "score_fp8": [], "select": []}
+    formats = [("bf16", SCORE_SWEEP, q, k, w, None, "")]
+    if fp8:
+        q_bytes, k_bytes, k_scale, w_q = fp8_case(q, k, w)
+        f8 = torch.float8_e4m3fn
+        formats.append(("fp8", FP8_SWEEP, q_bytes.view(f8), k_bytes.view(f8), w_q, k_scale, "FP8_"))
+    for fmt, variants, qq, kk, ww, scale, pre in formats:
+        fast = None
+        for mma_rows, tile, warps, stages, keys_m, group, maxnreg in variants:
+            v = (mma_rows, tile, warps, stages, keys_m, group, maxnreg)
+            kw = dict(rows_per_block=mma_rows // H, key_tile=tile, num_warps=warps, num_stages=stages, keys_m=keys_m,
+                      fp8_group=group, maxnreg=maxnreg)
+            try:
+                ms = time_ms(lambda: [ki.score_rows(qq, kk, ww, ks, ke, buf, a, m, k_scale=scale, **kw)
+                                      for a, m in parts], budget_ms=250.0)
+            except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+                print(f"score {fmt} {v}: failed: {str(exc)[:200]}", flush=True)
+                continue
+            tf = flops / (ms * 1e-3) / 1e12
+            results["score" if fmt == "bf16" else "score_fp8"].append({"variant": list(v), "ms": ms, "tflops": tf})
+            print(f"score {fmt} {v}: {ms:.3f} ms, {tf:.1f} TFLOP/s", flush=True)
+            if fast is None or ms < fast[0]:
+                fast = (ms, v)
+        if fast is not None:
+            mma_rows, tile, warps, stages, keys_m, group, maxnreg = fast[1]
+            best.update({pre + "MMA_ROWS": mma_rows, pre + "KEY_TILE": tile, pre + "SCORE_WARPS": warps,
+                         pre + "SCORE_STAGES": stages, pre + "KEYS_M": keys_m, pre + "SCORE_MAXNREG": maxnreg})
+            if fmt == "fp8":
+                best["FP8_ACC_GROUP"] = group
     # Selection on one chunk from the middle of the request (its scores really written).
     a = (M // 2 // rows) * rows
     m = min(rows, M - a)
     ki.score_rows(q, k, w, ks, ke, buf, a, m)
     out = torch.empty((M, TOPK), dtype=torch.int32, device="cuda")
     scratch = torch.empty((rows, N), dtype=torch.int32, device="cuda")
-    for block, warps, compact in SELECT_SWEEP:
-        for sort in (True, False) if (block, warps, compact) == SELECT_SWEEP[0] else (True,):
+    sel_best = None
+    for block, warps, compact, split_at, shift, maxnreg in SELECT_SWEEP:
+        v = (block, warps, compact, split_at, shift, maxnreg)
+        for sort in (True, False) if v == SELECT_SWEEP[0] or v == SELECT_SWEEP[2] else (True,):
             def fn():
                 ki.select_rows(buf, ks, ke, out, a, m, TOPK, scratch=scratch, block=block, num_warps=warps,
-                               compact=compact, sort=sort)
+                               compact=compact, sort=sort, split_at=split_at, anchor_shift=shift, maxnreg=maxnreg)
             try:
                 ms = time_ms(fn, budget_ms=150.0)
             except Exception as exc:  # noqa: BLE001
-                print(f"select {block, warps, compact}: failed: {str(exc)[:200]}", flush=True)
+                print(f"select {v}: failed: {str(exc)[:200]}", flush=True)
                 continue
-            results["select"].append({"variant": [block, warps, compact, sort], "chunk_rows": m, "ms": ms})
-            print(f"select {block, warps, compact} sort={sort}: {ms:.3f} ms per {m} rows", flush=True)
-            if sort and ("select_ms" not in best or ms < best["select_ms"]):
-                best.update(select_ms=ms, SELECT_BLOCK=block, SELECT_WARPS=warps, SELECT_COMPACT=compact)
-    tune = {key: v for key, v in best.items() if key.isupper()}
-    ki.set_tuning(**tune)
-    print(f"best: {tune}", flush=True)
+            results["select"].append({"variant": list(v) + [sort], "chunk_rows": m, "ms": ms})
+            print(f"select {v} sort={sort}: {ms:.3f} ms per {m} rows", flush=True)
+            if sort and (sel_best is None or ms < sel_best[0]):
+                sel_best = (ms, v)
+    if sel_best is not None:
+        block, warps, compact, split_at, shift, maxnreg = sel_best[1]
+        best.update(SELECT_BLOCK=block, SELECT_WARPS=warps, SELECT_COMPACT=compact, SELECT_SPLIT_AT=split_at,
+                    SELECT_ANCHOR_SHIFT=shift, SELECT_MAXNREG=maxnreg)
+    ki.set_tuning(**best)
+    print(f"best: {best}", flush=True)
     if out_path:
         with open(out_path, "w") as f:
-            json.dump(tune, f)
+            json.dump(best, f)
     del buf, scratch, out, q, k
     torch.cuda.empty_cache()
-    return results, tune
+    return results, best
 
 
 def fill_estimates(rows):
     measured = [r for r in rows if r.get("ref_ms") is not None and not r.get("ref_estimated")]
     for r in rows:
-        if r.get("ref_ms") is None and r["format"] == "bf16" and measured:
-            base = max(measured, key=lambda m: m["rows"] * m["N"])
+        same = [m for m in measured if m["format"] == r["format"]]
+        if r.get("ref_ms") is None and same:
+            base = max(same, key=lambda m: m["rows"] * m["N"])
             r["ref_ms"] = base["ref_ms"] * (r["rows"] * r["N"]) / (base["rows"] * base["N"])
             r["ref_estimated"] = True
         if r.get("ref_ms") is not None:
@@ -255,14 +357,14 @@ def fill_estimates(rows):
 
 
 def print_table(rows):
-    head = f"{'shape':>8} {'fmt':>4} {'rows':>7} {'ms':>9} {'score ms':>9} {'TFLOP/s':>8} {'%gemm':>6} {'sel %':>6} {'x ref':>8}"
+    head = f"{'shape':>8} {'fmt':>6} {'rows':>7} {'ms':>9} {'score ms':>9} {'TFLOP/s':>8} {'%gemm':>6} {'sel %':>6} {'x ref':>8}"
     print(head)
     for r in rows:
         xr = r.get("x_ref")
         xs = "-" if xr is None else ("~" if r.get("ref_estimated") else "") + f"{xr:.1f}"
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
         sel = f"{r['select_pct']:6.1f}" if "select_pct" in r else f"{'-':>6}"
-        print(f"{r['shape']:>8} {r['format']:>4} {r['rows']:>7} {ms} {r['score_ms']:>9.3f} "
+        print(f"{r['shape']:>8} {r['format']:>6} {r['rows']:>7} {ms} {r['score_ms']:>9.3f} "
               f"{r['tflops']:>8.1f} {r['pct_gemm']:>6.1f} {sel} {xs:>8}")
 
 
@@ -271,7 +373,10 @@ def main(argv=None):
     p.add_argument("--shapes", default="8k,32k,128k,8x4k,ext8x32")
     p.add_argument("--budget", type=int, default=64 << 20, help="max_logits_bytes (one chunk of fp32 scores)")
     p.add_argument("--ref-max-tokens", type=int, default=32768)
-    p.add_argument("--fp8", action="store_true", help="also time FP8 e4m3 scoring against torch._scaled_mm (<= 32K)")
+    p.add_argument("--fp8", action="store_true", help="also time the FP8 form (scoring against torch._scaled_mm)")
+    p.add_argument("--fp8-max-tokens", type=int, default=131072, help="FP8 rows only for shapes up to this many keys")
+    p.add_argument("--deep-gemm", action="store_true", help="with --fp8: also time DeepGEMM's mqa-logits scoring")
+    p.add_argument("--profile", default=None, help="shape whose fused calls are profiled (top kernels)")
     p.add_argument("--sweep", action="store_true", help="first time tile variants at 32K and use the fastest")
     p.add_argument("--tuning-out", default=None, help="with --sweep: write the fastest variant as a tuning file")
     p.add_argument("--json", default=None)
@@ -284,19 +389,33 @@ def main(argv=None):
         _fail(f"unknown shape(s) {bad}; choose from {sorted(SHAPES)}")
     import cpgraph.ops  # noqa: F401
 
-    swept = sweep(a.budget, a.tuning_out) if a.sweep else None
+    deep_gemm = None
+    if a.deep_gemm:
+        from cpgraph.kernels import deep_gemm_indexer as dg
+
+        deep_gemm = {"loaded": dg.load(), "kernel": dg.kernel_name(), "error": dg.import_error()}
+        print(f"deep_gemm: {deep_gemm}", flush=True)
+    use_dg = bool(deep_gemm and deep_gemm["loaded"])
+    swept = sweep(a.budget, a.fp8, a.tuning_out) if a.sweep else None
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "heads": H, "head_dim": D, "topk": TOPK, "page": PAGE}
+
+    def save(rows, prof=None):
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"meta": meta, "sweep": swept, "rows": rows, "deep_gemm": deep_gemm, "profile": prof}, f,
+                          indent=1)
+
     rows = []
     for name in names:
-        rows.extend(run_shape(name, a.budget, a.ref_max_tokens, a.fp8))
+        rows.extend(run_shape(name, a.budget, a.ref_max_tokens, a.fp8, a.fp8_max_tokens, use_dg))
         print(f"{name} done", flush=True)
+        save(rows)  # a run cut short keeps the shapes it finished
     fill_estimates(rows)
+    prof = profile(a.profile, a.budget, a.fp8, use_dg) if a.profile else None
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, budget {a.budget >> 20} MiB")
     print_table(rows)
-    if a.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                "heads": H, "head_dim": D, "topk": TOPK, "page": PAGE}
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "sweep": swept, "rows": rows}, f, indent=1)
+    save(rows, prof)
     return rows
 
 

@@ -5,31 +5,34 @@ Two kernels, used by the providers of ``indexer_topk``, ``indexer_logits``,
 
 * **scoring** computes ``sum_h w[s,h] * relu(q[s,h] . k[t])`` for a block
   of ``ROWS`` query rows against a tile of ``BN`` keys with ONE ``tl.dot``:
-  the block's ``ROWS x HP`` head vectors are the rows of the A operand
-  (``q`` is ``[M, H, D]`` contiguous, so a row block is contiguous too),
-  the keys the B operand.  The fp32 ``[ROWS*HP, BN]`` product goes through
-  the ReLU, is scaled by the head weights and summed over heads in
-  registers, so ``[M, H, N]`` never exists; what is written is the fp32
-  ``[rows, N]`` score of a bounded chunk of rows (the op's byte budget).
-  bf16/fp16 inputs multiply on tensor cores with fp32 accumulation; FP8
-  e4m3 pairs likewise, with the key's scale applied to the dot before the
-  ReLU; fp32 inputs use IEEE fp32 dots (exact, slow: an oracle path).  A
-  program walks only the key tiles that meet its rows' windows; when a
-  chunk has few row blocks the key range is also split over programs
-  (each writes disjoint score columns, so nothing is reduced across them).
-* **selection** (one program per row) is a radix select under the tie rule
-  of :func:`cpgraph.ops.indexer.tie_rank_keys`: scores are mapped to
-  order-preserving 32-bit keys (``-0.0`` -> ``0.0``, one NaN above ``+inf``),
-  four 8-bit histogram passes over the row's window find the exact k-th
-  key value ``T`` and how many keys equal to ``T`` are needed; one more
-  pass takes every key above ``T`` plus the first such ties in position
-  order (a running prefix count, so lower positions win).  The ``topk``
-  winners are then sorted by the same int64 ``(score, -position)`` key the
-  reference ranks by, so the output order is identical too.  Windows of at
-  most ``topk`` keys skip the select and are only sorted.  Optionally
-  (``SELECT_COMPACT``) the keys sharing the k-th key's top digit are copied
-  to a scratch list after the first pass, so the other passes read only
-  those.
+  by default the keys are the A operand (the MMA's M axis) and the block's
+  ``ROWS x HP`` head vectors the B operand (``q`` is ``[M, H, D]``
+  contiguous, so a row block is contiguous too), so each thread holds whole
+  runs of one row's heads and the ReLU / head-weight / head-sum epilogue
+  stays in registers (``KEYS_M``; heads on M needed cross-warp reductions).
+  ``[M, H, N]`` never exists; what is written is the fp32 ``[rows, N]``
+  score of a bounded chunk of rows (the op's byte budget).  bf16/fp16
+  inputs multiply on tensor cores with fp32 accumulation; FP8 e4m3 operands
+  go to the e4m3 MMA as they are, and the key's (positive) scale multiplies
+  the head sum once per (row, key); fp32 inputs use IEEE fp32 dots (exact,
+  slow: an oracle path).  A program walks only the key tiles that meet its
+  rows' windows; when a chunk has few row blocks the key range is also
+  split over programs (each writes disjoint score columns, so nothing is
+  reduced across them).
+* **selection** (one program per row) under the tie rule of
+  :func:`cpgraph.ops.indexer.tie_rank_keys`: scores are mapped to
+  order-preserving 32-bit keys (``-0.0`` -> ``0.0``, one NaN above
+  ``+inf``).  By default the window is split once, by buckets of distance
+  below the row's largest key, into winners, candidates (the k-th key's
+  bucket, copied in position order to a scratch row) and losers; 8-bit
+  radix passes over the candidates find the exact k-th key value ``T`` and
+  how many keys equal to ``T`` are needed; one more pass takes every
+  candidate above ``T`` plus the first such ties in position order (lower
+  positions win).  Without the split, four radix passes and the collection
+  read the whole window.  The ``topk`` winners are then sorted by the same
+  int64 ``(score, -position)`` key the reference ranks by, so the output
+  order is identical too.  Windows of at most ``topk`` keys skip the select
+  and are only sorted.
 
 Why per-row selection: a row's result must depend only on its own scores
 (tested by re-running rows in other batch compositions), and the window
@@ -54,20 +57,44 @@ from .move import interpreting
 
 # Launch tuning (H200, 64 heads x 128): scoring tile = MMA_ROWS rows of query-row heads x KEY_TILE
 # keys; selection steps of SELECT_BLOCK window elements.  CPGRAPH_INDEXER_TUNING=file.json overrides
-# any of these per machine (see set_tuning); the values never change results, only speed.
+# any of these per machine (see set_tuning); the values never change results, only speed (FP8_ACC_GROUP
+# changes FP8 rounding only).
 _TUNE = {
+    # bf16/fp16 scoring: MMA_ROWS query-row heads x KEY_TILE keys per dot.
     "MMA_ROWS": 128,
-    "KEY_TILE": 128,
-    "SCORE_WARPS": 8,
-    "SCORE_STAGES": 2,  # two stages leave room for two programs per SM
-    # Keys on the MMA's M axis and query-row heads on N (the head sum then stays within a thread's
-    # registers).  Off by default for the same reason as SELECT_COMPACT.
-    "KEYS_M": False,
+    "KEY_TILE": 64,
+    "SCORE_WARPS": 4,
+    "SCORE_STAGES": 3,
+    # Keys on the MMA's M axis and query-row heads on N: the head sum then stays within a thread's
+    # registers (plus one quad shuffle) instead of crossing warps through shared memory.
+    "KEYS_M": True,
     "SELECT_BLOCK": 4096,
     "SELECT_WARPS": 8,
-    # Split after the first radix pass so later passes read only the candidates.  Off by default:
-    # correct in the interpreter tests, compiled for sm_90, but not yet timed on a GPU.
-    "SELECT_COMPACT": False,
+    # Split the window once into winners / candidates / losers so later passes read only the candidates.
+    "SELECT_COMPACT": True,
+    # With SELECT_COMPACT: split after this many 8-bit passes (1 or 2), or 0: after one pass bucketed by
+    # distance below the row's largest score (2^SELECT_ANCHOR_SHIFT rank steps per bucket, 1/32 of a
+    # binade at 18).  The top digit of a row's rank bits is sign + 7 exponent bits, which most scores of
+    # a row share; 16 bits, or a bucket near the k-th key, hold a small fraction of the window, so the
+    # remaining passes and the collection read little.
+    "SELECT_SPLIT_AT": 0,
+    "SELECT_ANCHOR_SHIFT": 18,
+    # FP8 dots: products accumulated in fp32 every FP8_ACC_GROUP of the head dim (32: every Hopper
+    # e4m3 MMA group promoted, as in the DeepGEMM GEMMs; 0: the whole head dim in the MMA accumulator,
+    # as DeepGEMM's mqa-logits kernel does for D = 128).
+    "FP8_ACC_GROUP": 0,
+    # The FP8 scoring tile, tuned apart from the bf16 one (half the operand bytes, twice the MMA rate:
+    # the ReLU / weight / head-sum epilogue weighs twice as much against the dot).
+    "FP8_MMA_ROWS": 128,
+    "FP8_KEY_TILE": 64,
+    "FP8_SCORE_WARPS": 4,
+    "FP8_SCORE_STAGES": 3,
+    "FP8_KEYS_M": True,
+    # Register caps (0: the compiler's choice).  Two 8-warp programs per SM need <= 128 registers a
+    # thread; the second program's MMA then overlaps the first one's epilogue (or selection latency).
+    "SCORE_MAXNREG": 0,
+    "FP8_SCORE_MAXNREG": 0,
+    "SELECT_MAXNREG": 128,
 }
 log = logging.getLogger("cpgraph.kernels")
 
@@ -85,6 +112,13 @@ def set_tuning(**values) -> None:
         if type(value) is not type(_TUNE[name]):
             raise ValueError(f"cpgraph.kernels.indexer: tuning parameter {name!r} must be "
                              f"{type(_TUNE[name]).__name__}, got {value!r}")
+    if values.get("SELECT_SPLIT_AT", 1) not in (0, 1, 2):
+        raise ValueError(f"cpgraph.kernels.indexer: SELECT_SPLIT_AT must be 0, 1 or 2, got {values['SELECT_SPLIT_AT']!r}")
+    if not 0 <= values.get("SELECT_ANCHOR_SHIFT", 0) <= 31:
+        raise ValueError(f"cpgraph.kernels.indexer: SELECT_ANCHOR_SHIFT must be in [0, 31], got "
+                         f"{values['SELECT_ANCHOR_SHIFT']!r}")
+    if values.get("FP8_ACC_GROUP", 0) not in (0, 32, 64, 128):
+        raise ValueError(f"cpgraph.kernels.indexer: FP8_ACC_GROUP must be 0, 32, 64 or 128, got {values['FP8_ACC_GROUP']!r}")
     _TUNE.update(values)
 
 
@@ -143,6 +177,7 @@ def _score_kernel(
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROWS: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
     KIND: tl.constexpr, UPCAST: tl.constexpr, KEYS_M: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0)
     split = tl.program_id(1)
@@ -182,20 +217,28 @@ def _score_kernel(
     if LOOP_WHILE:
         t0 = t_begin
         while t0 < t_end:
-            _score_tile(a, wt, k, k_scale, out_rows, lo_r, hi_r, t0, n_keys, D, DP, ROWS, HP, BN, KIND, UPCAST, KEYS_M)
+            _score_tile(a, wt, k, k_scale, out_rows, lo_r, hi_r, t0, n_keys, D, DP, ROWS, HP, BN, KIND, UPCAST, KEYS_M,
+                        FP8_GROUP)
             t0 += BN
     else:
         for t0 in range(t_begin, t_end, BN):
-            _score_tile(a, wt, k, k_scale, out_rows, lo_r, hi_r, t0, n_keys, D, DP, ROWS, HP, BN, KIND, UPCAST, KEYS_M)
+            _score_tile(a, wt, k, k_scale, out_rows, lo_r, hi_r, t0, n_keys, D, DP, ROWS, HP, BN, KIND, UPCAST, KEYS_M,
+                        FP8_GROUP)
 
 
 @triton.jit
 def _score_tile(
     a, wt, k, k_scale, out_rows, lo_r, hi_r, t0, n_keys,
     D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
-    KIND: tl.constexpr, UPCAST: tl.constexpr, KEYS_M: tl.constexpr,
+    KIND: tl.constexpr, UPCAST: tl.constexpr, KEYS_M: tl.constexpr, FP8_GROUP: tl.constexpr,
 ):  # fmt: skip
-    """One key tile: dot, ReLU, head weights, sum over heads, store the in-window scores."""
+    """One key tile: dot, ReLU, head weights, sum over heads, store the in-window scores.
+
+    FP8: the e4m3 operands go to the tensor cores as they are; the key's
+    scale (positive: a ue8m0 power of two) is applied once per (row, key)
+    after the head sum, ``sum_h w relu(d s) = s sum_h w relu(d)`` for
+    ``s > 0``, instead of once per (head, key) product.
+    """
     t = t0 + tl.arange(0, BN)
     d = tl.arange(0, DP)
     ok_t = t < n_keys
@@ -205,35 +248,33 @@ def _score_tile(
     if KEYS_M:  # keys on the M axis, query-row heads on N: the head sum stays inside a thread's registers
         if KIND == 1:
             dots = tl.dot(kt, tl.trans(a), input_precision="ieee")
-        elif KIND == 2:
-            dots = tl.dot(kt, tl.trans(a), max_num_imprecise_acc=32)
+        elif KIND == 2 and FP8_GROUP > 0:
+            dots = tl.dot(kt, tl.trans(a), max_num_imprecise_acc=FP8_GROUP)
         else:
             dots = tl.dot(kt, tl.trans(a))
-        if KIND == 2:
-            sc = tl.load(k_scale + t, mask=ok_t, other=0.0)
-            dots = dots * sc[:, None]
         part = tl.maximum(dots, 0.0) * wt[None, :]
         if ROWS == 1:
             score = tl.reshape(tl.sum(part, axis=1), (BN, 1))
         else:
             score = tl.sum(tl.reshape(part, (BN, ROWS, HP)), axis=2)
+        if KIND == 2:
+            score = score * tl.load(k_scale + t, mask=ok_t, other=0.0)[:, None]
         inside = (t[:, None] >= lo_r[None, :]) & (t[:, None] < hi_r[None, :])
         tl.store(out_rows[None, :] + t[:, None], score, mask=inside)
     else:
         if KIND == 1:
             dots = tl.dot(a, tl.trans(kt), input_precision="ieee")
-        elif KIND == 2:
-            dots = tl.dot(a, tl.trans(kt), max_num_imprecise_acc=32)
+        elif KIND == 2 and FP8_GROUP > 0:
+            dots = tl.dot(a, tl.trans(kt), max_num_imprecise_acc=FP8_GROUP)
         else:
             dots = tl.dot(a, tl.trans(kt))
-        if KIND == 2:
-            sc = tl.load(k_scale + t, mask=ok_t, other=0.0)
-            dots = dots * sc[None, :]
         part = tl.maximum(dots, 0.0) * wt[:, None]
         if ROWS == 1:
             score = tl.reshape(tl.sum(part, axis=0), (1, BN))
         else:
             score = tl.sum(tl.reshape(part, (ROWS, HP, BN)), axis=1)
+        if KIND == 2:
+            score = score * tl.load(k_scale + t, mask=ok_t, other=0.0)[None, :]
         inside = (t[None, :] >= lo_r[:, None]) & (t[None, :] < hi_r[:, None])
         tl.store(out_rows[:, None] + t[None, :], score, mask=inside)
 
@@ -259,11 +300,12 @@ def _operands(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def score_rows(q, k, weights, ks, ke, out, row0: int, m_rows: int, k_scale=None, *, rows_per_block=None,
-               key_tile=None, splits=None, num_warps=None, num_stages=None, keys_m=None) -> None:
+               key_tile=None, splits=None, num_warps=None, num_stages=None, keys_m=None, fp8_group=None,
+               maxnreg=None) -> None:
     """Write scores of rows ``[row0, row0 + m_rows)`` into ``out[0:m_rows]`` (in-window columns only).
 
     ``q`` ``[M, H, D]`` / ``k`` ``[N, D]`` bf16, fp16, fp32 or (with
-    ``k_scale``) float8_e4m3fn; ``out`` fp32 with unit column stride.
+    ``k_scale``, positive) float8_e4m3fn; ``out`` fp32 with unit column stride.
     Columns outside a row's window are left untouched.  The keyword
     arguments override the tile choice (benchmark sweeps).
     """
@@ -273,12 +315,13 @@ def score_rows(q, k, weights, ks, ke, out, row0: int, m_rows: int, k_scale=None,
     N = k.shape[0]
     q, k, kind, upcast = _operands(q, k)
     HP, DP = _pow2(H), _pow2(D, 32 if kind == KIND_FP8 else 16)  # fp8 dots need K >= 32
+    pre = "FP8_" if kind == KIND_FP8 else ""
     if interpreting():
         rows = rows_per_block or max(1, min(_pow2(m_rows), 64 // HP if HP <= 64 else 1))
         bn = key_tile or min(_pow2(N, 16), 64)
     else:
-        rows = rows_per_block or max(1, _TUNE["MMA_ROWS"] // HP)
-        bn = key_tile or _TUNE["KEY_TILE"]
+        rows = rows_per_block or max(1, _TUNE[pre + "MMA_ROWS"] // HP)
+        bn = key_tile or _TUNE[pre + "KEY_TILE"]
     if rows * HP < 16:  # the dot needs >= 16 rows of A: pad the head axis
         HP = 16 // rows
     blocks = triton.cdiv(m_rows, rows)
@@ -290,10 +333,17 @@ def score_rows(q, k, weights, ks, ke, out, row0: int, m_rows: int, k_scale=None,
     _score_kernel[(blocks, splits)](
         q, k, weights, scale, ks, ke, out, row0, m_rows, N, out.stride(0),
         H=H, HP=HP, D=D, DP=DP, ROWS=rows, BN=bn, SPLITS=splits, KIND=kind, UPCAST=upcast,
-        KEYS_M=_TUNE["KEYS_M"] if keys_m is None else keys_m, LOOP_WHILE=interpreting(),
-        num_warps=num_warps or (4 if interpreting() else _TUNE["SCORE_WARPS"]),
-        num_stages=num_stages or (1 if interpreting() else _TUNE["SCORE_STAGES"]),
+        KEYS_M=_TUNE[pre + "KEYS_M"] if keys_m is None else keys_m, LOOP_WHILE=interpreting(),
+        FP8_GROUP=(_TUNE["FP8_ACC_GROUP"] if fp8_group is None else fp8_group),
+        num_warps=num_warps or (4 if interpreting() else _TUNE[pre + "SCORE_WARPS"]),
+        num_stages=num_stages or (1 if interpreting() else _TUNE[pre + "SCORE_STAGES"]),
+        **_maxnreg(_TUNE[pre + "SCORE_MAXNREG"] if maxnreg is None else maxnreg),
     )  # fmt: skip
+
+
+def _maxnreg(cap: int) -> dict:
+    """The ``maxnreg`` launch option when a cap is set (compiled code only: the interpreter has registers to spare)."""
+    return {"maxnreg": cap} if cap and not interpreting() else {}
 
 
 # ---------------------------------------------------------------- selection
@@ -325,28 +375,47 @@ def _histogram_step(srow, crow, i0, end, prefix, known, SHIFT: tl.constexpr, FRO
 
 
 @triton.jit
-def _split_step(srow, orow, crow, i0, hi, digit, taken, count, BLOCK: tl.constexpr):
-    """Keys whose top digit is above ``digit`` are winners (to ``orow``); equal ones are candidates (to ``crow``)."""
+def _split_step(srow, orow, crow, i0, hi, prefix, taken, count, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """Keys whose bits above ``SHIFT`` exceed ``prefix``'s are winners (to ``orow``); equal ones are candidates.
+
+    One scan serves both lists: the two flags are packed into the low and
+    high 16 bits of an int32 (a block holds fewer than 2^15 keys).
+    """
     pos, u, valid = _keys_at(srow, crow, i0, hi, False, BLOCK)
-    top = (u >> 24).to(tl.int32)
-    above = (valid & (top > digit)).to(tl.int32)
-    inbin = (valid & (top == digit)).to(tl.int32)
-    tl.store(orow + taken + tl.cumsum(above, axis=0) - above, pos, mask=above != 0)
-    tl.store(crow + count + tl.cumsum(inbin, axis=0) - inbin, pos, mask=inbin != 0)
-    return taken + tl.sum(above, axis=0), count + tl.sum(inbin, axis=0)
+    top = u >> SHIFT
+    bucket = prefix >> SHIFT
+    above = (valid & (top > bucket)).to(tl.int32)
+    inbin = (valid & (top == bucket)).to(tl.int32)
+    both = above | (inbin << 16)
+    run = tl.cumsum(both, axis=0) - both  # exclusive
+    tl.store(orow + taken + (run & 0xFFFF), pos, mask=above != 0)
+    tl.store(crow + count + (run >> 16), pos, mask=inbin != 0)
+    total = tl.sum(both, axis=0)
+    return taken + (total & 0xFFFF), count + (total >> 16)
 
 
 @triton.jit
 def _collect_step(srow, orow, crow, i0, end, threshold, need, taken, ties, topk, FROM_CAND: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """Write one block's winners (above ``threshold``, or equal and among the first ``need`` ties) to ``orow``."""
+    """Write one block's winners (above ``threshold``, or equal and among the first ``need`` ties) to ``orow``.
+
+    The selected ties of a block are a prefix of its ties (position order),
+    so the winners before a key number ``above_before + min(ties_before, room)``
+    with ``room = need - ties``: one packed scan of both flags.
+    """
     pos, u, valid = _keys_at(srow, crow, i0, end, FROM_CAND, BLOCK)
+    above = (valid & (u > threshold)).to(tl.int32)
     eq = (valid & (u == threshold)).to(tl.int32)
-    tie_rank = ties + tl.cumsum(eq, axis=0) - eq
-    sel = ((valid & (u > threshold)) | ((eq != 0) & (tie_rank < need))).to(tl.int32)
-    slot = taken + tl.cumsum(sel, axis=0) - sel
-    tl.store(orow + slot, pos, mask=(sel != 0) & (slot < topk))
-    return taken + tl.sum(sel, axis=0), ties + tl.sum(eq, axis=0)
+    both = above | (eq << 16)
+    run = tl.cumsum(both, axis=0) - both  # exclusive
+    room = tl.maximum(need - ties, 0)
+    eq_before = run >> 16
+    sel = (above != 0) | ((eq != 0) & (eq_before < room))
+    slot = taken + (run & 0xFFFF) + tl.minimum(eq_before, room)
+    tl.store(orow + slot, pos, mask=sel & (slot < topk))
+    total = tl.sum(both, axis=0)
+    n_eq = total >> 16
+    return taken + (total & 0xFFFF) + tl.minimum(n_eq, room), ties + n_eq
 
 
 @triton.jit
@@ -362,18 +431,52 @@ def _pick_digit(hist, need, prefix, known, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _anchor_bucket(u, umax, SHIFT: tl.constexpr):
+    """Bucket of rank bits ``u`` by distance below the row's largest ``umax`` (0 = nearest; 255 = far or beyond)."""
+    return tl.minimum((umax - u) >> SHIFT, 255).to(tl.int32)
+
+
+@triton.jit
+def _anchor_split_step(srow, orow, crow, i0, hi, umax, bucket, taken, count, SHIFT: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Keys in nearer buckets than ``bucket`` are winners (to ``orow``); keys in it are candidates (to ``crow``)."""
+    pos, u, valid = _keys_at(srow, crow, i0, hi, False, BLOCK)
+    b = _anchor_bucket(u, umax, SHIFT)
+    above = (valid & (b < bucket)).to(tl.int32)
+    inbin = (valid & (b == bucket)).to(tl.int32)
+    both = above | (inbin << 16)
+    run = tl.cumsum(both, axis=0) - both  # exclusive
+    tl.store(orow + taken + (run & 0xFFFF), pos, mask=above != 0)
+    tl.store(crow + count + (run >> 16), pos, mask=inbin != 0)
+    total = tl.sum(both, axis=0)
+    return taken + (total & 0xFFFF), count + (total >> 16)
+
+
+@triton.jit
 def _select_kernel(
     scores, ks, ke, kv_slots, out, cand,
     row0, n_keys, score_stride, cand_stride, topk,
     KP: tl.constexpr, BLOCK: tl.constexpr, PAGED: tl.constexpr, COMPACT: tl.constexpr, SORT: tl.constexpr,
-    LOOP_WHILE: tl.constexpr,
+    LOOP_WHILE: tl.constexpr, SPLIT_AT: tl.constexpr, ANCHOR_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """Row ``row0 + program`` of ``out`` <- its top-k under the tie rule (scores row = program).
 
     Radix select on the 32-bit rank bits, 8 bits per pass.  With ``COMPACT``
-    the first pass is followed by a split: keys above the k-th key's top
-    digit are winners at once, keys sharing it are copied (positions, in
-    order) to ``cand``, and the remaining passes read only those.
+    the window is split once into winners (written at once), candidates
+    (positions, in order, copied to ``cand``) and losers, and the remaining
+    passes read only the candidates:
+
+    * ``SPLIT_AT`` 1 or 2: after that many radix passes over the window,
+      candidates share the k-th key's leading 8 or 16 bits;
+    * ``SPLIT_AT`` 0 (anchored): one cheap pass finds the row's largest
+      rank bits ``umax``, one histogram pass counts keys by
+      ``(umax - u) >> ANCHOR_SHIFT`` (255 = everything farther), and the
+      candidates are the bucket holding the k-th key.  Buckets are ranges
+      of the order, so the split is exact for any data; only its size
+      depends on the scores (a k-th key far below the maximum makes the
+      last bucket, possibly the whole window, the candidates: slower,
+      still exact).
+
     ``SORT=False`` leaves the winners in collection order (benchmarks time
     the sort with it; the ops always sort).
     """
@@ -392,32 +495,87 @@ def _select_kernel(
         known = tl.full((), 0, tl.uint32)
         need = topk  # keys still to take among those matching the prefix
         taken = tl.full((), 0, tl.int32)
-        hist = tl.zeros((256,), tl.int32)
-        if LOOP_WHILE:
-            i0 = lo
-            while i0 < hi:
-                hist += _histogram_step(srow, crow, i0, hi, prefix, known, 24, False, BLOCK)
-                i0 += BLOCK
-        else:
-            for i0 in range(lo, hi, BLOCK):
-                hist += _histogram_step(srow, crow, i0, hi, prefix, known, 24, False, BLOCK)
-        digit, need, prefix, known = _pick_digit(hist, need, prefix, known, 24)
         start = lo
         end = hi
-        if COMPACT:
+        if COMPACT and SPLIT_AT == 0:
+            umax = tl.full((), 0, tl.uint32)
+            if LOOP_WHILE:
+                i0 = lo
+                while i0 < hi:
+                    _, u, valid = _keys_at(srow, crow, i0, hi, False, BLOCK)
+                    umax = tl.maximum(umax, tl.max(tl.where(valid, u, 0), axis=0))
+                    i0 += BLOCK
+            else:
+                for i0 in range(lo, hi, BLOCK):
+                    _, u, valid = _keys_at(srow, crow, i0, hi, False, BLOCK)
+                    umax = tl.maximum(umax, tl.max(tl.where(valid, u, 0), axis=0))
+            hist = tl.zeros((256,), tl.int32)
+            if LOOP_WHILE:
+                i0 = lo
+                while i0 < hi:
+                    _, u, valid = _keys_at(srow, crow, i0, hi, False, BLOCK)
+                    hist += tl.histogram(_anchor_bucket(u, umax, ANCHOR_SHIFT), 256, mask=valid)
+                    i0 += BLOCK
+            else:
+                for i0 in range(lo, hi, BLOCK):
+                    _, u, valid = _keys_at(srow, crow, i0, hi, False, BLOCK)
+                    hist += tl.histogram(_anchor_bucket(u, umax, ANCHOR_SHIFT), 256, mask=valid)
+            bins = tl.arange(0, 256)
+            bucket = tl.min(tl.where(tl.cumsum(hist, axis=0) >= need, bins, 255), axis=0)
+            need -= tl.sum(tl.where(bins < bucket, hist, 0), axis=0)
             count = tl.full((), 0, tl.int32)
             if LOOP_WHILE:
                 i0 = lo
                 while i0 < hi:
-                    taken, count = _split_step(srow, orow, crow, i0, hi, digit, taken, count, BLOCK)
+                    taken, count = _anchor_split_step(srow, orow, crow, i0, hi, umax, bucket, taken, count,
+                                                      ANCHOR_SHIFT, BLOCK)
                     i0 += BLOCK
             else:
                 for i0 in range(lo, hi, BLOCK):
-                    taken, count = _split_step(srow, orow, crow, i0, hi, digit, taken, count, BLOCK)
+                    taken, count = _anchor_split_step(srow, orow, crow, i0, hi, umax, bucket, taken, count,
+                                                      ANCHOR_SHIFT, BLOCK)
             tl.debug_barrier()  # candidates written by other threads of this program
             start = 0
             end = count
-        for p in tl.static_range(1, 4):  # digit shifts 16, 8, 0
+        else:
+            hist = tl.zeros((256,), tl.int32)
+            if LOOP_WHILE:
+                i0 = lo
+                while i0 < hi:
+                    hist += _histogram_step(srow, crow, i0, hi, prefix, known, 24, False, BLOCK)
+                    i0 += BLOCK
+            else:
+                for i0 in range(lo, hi, BLOCK):
+                    hist += _histogram_step(srow, crow, i0, hi, prefix, known, 24, False, BLOCK)
+            digit, need, prefix, known = _pick_digit(hist, need, prefix, known, 24)
+            if COMPACT:
+                if SPLIT_AT == 2:  # the second digit over the whole window too, then split on 16 bits
+                    hist = tl.zeros((256,), tl.int32)
+                    if LOOP_WHILE:
+                        i0 = lo
+                        while i0 < hi:
+                            hist += _histogram_step(srow, crow, i0, hi, prefix, known, 16, False, BLOCK)
+                            i0 += BLOCK
+                    else:
+                        for i0 in range(lo, hi, BLOCK):
+                            hist += _histogram_step(srow, crow, i0, hi, prefix, known, 16, False, BLOCK)
+                    digit, need, prefix, known = _pick_digit(hist, need, prefix, known, 16)
+                count = tl.full((), 0, tl.int32)
+                if LOOP_WHILE:
+                    i0 = lo
+                    while i0 < hi:
+                        taken, count = _split_step(srow, orow, crow, i0, hi, prefix, taken, count, 32 - 8 * SPLIT_AT,
+                                                   BLOCK)
+                        i0 += BLOCK
+                else:
+                    for i0 in range(lo, hi, BLOCK):
+                        taken, count = _split_step(srow, orow, crow, i0, hi, prefix, taken, count, 32 - 8 * SPLIT_AT,
+                                                   BLOCK)
+                tl.debug_barrier()  # candidates written by other threads of this program
+                start = 0
+                end = count
+        # Radix passes still to do (over the candidates when split): digit shifts 24 - 8 p.
+        for p in tl.static_range(SPLIT_AT if COMPACT else 1, 4):
             hist = tl.zeros((256,), tl.int32)
             if LOOP_WHILE:
                 i0 = start
@@ -456,7 +614,8 @@ def _select_kernel(
 
 
 def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots=None, *, scratch=None,
-                block=None, num_warps=None, compact=None, sort=True) -> None:
+                block=None, num_warps=None, compact=None, sort=True, split_at=None, anchor_shift=None,
+                maxnreg=None) -> None:
     """Top-k of rows ``[row0, row0 + m_rows)`` (scores in ``scores[0:m_rows]``) into ``out`` (int32 ``[M, topk]``).
 
     RAGGED ids, or PAGED slots ``kv_slots[t]`` when ``kv_slots`` is given.
@@ -474,12 +633,18 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
         scratch = out  # never read or written
     kp = _pow2(topk, 16)
     block = block or ((1 << 14) if interpreting() else _TUNE["SELECT_BLOCK"])
+    if block > (1 << 15) or block & (block - 1):
+        raise ValueError(f"cpgraph.kernels.indexer: select block must be a power of two <= 32768 (packed 16-bit "
+                         f"counts), got {block}")
     paged = kv_slots is not None
     ks, ke = ks.contiguous(), ke.contiguous()
     _select_kernel[(m_rows,)](
         scores, ks, ke, kv_slots if paged else ks, out, scratch, row0, N, scores.stride(0), scratch.stride(0), topk,
         KP=kp, BLOCK=block, PAGED=paged, COMPACT=compact, SORT=sort, LOOP_WHILE=interpreting(),
+        SPLIT_AT=_TUNE["SELECT_SPLIT_AT"] if split_at is None else split_at,
+        ANCHOR_SHIFT=_TUNE["SELECT_ANCHOR_SHIFT"] if anchor_shift is None else anchor_shift,
         num_warps=num_warps or (4 if interpreting() else _TUNE["SELECT_WARPS"]),
+        **_maxnreg(_TUNE["SELECT_MAXNREG"] if maxnreg is None else maxnreg),
     )  # fmt: skip
 
 
@@ -490,18 +655,25 @@ def _chunk_rows(n_keys: int, max_logits_bytes: int) -> int:
     return logits_chunk_rows(n_keys, max_logits_bytes)
 
 
-def indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes):
-    """Provider of ``cpgraph::indexer_topk``: score a chunk of rows, select its top-k, next chunk."""
+def indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes, k_scale=None):
+    """Provider of ``cpgraph::indexer_topk``: score a chunk of rows, select its top-k, next chunk.
+
+    With ``k_scale`` the operands are e4m3 bytes (the FP8 form): the same
+    chunking, so the FP8 path holds one fp32 ``[rows, N]`` chunk too.
+    """
     M, N = q.shape[0], k.shape[0]
     out = torch.empty((M, topk), dtype=torch.int32, device=q.device)
     if M == 0:
         return out
+    if k_scale is not None:
+        f8 = torch.float8_e4m3fn
+        q, k, k_scale = q.view(f8), k.view(f8), k_scale.contiguous()
     rows = min(M, _chunk_rows(N, max_logits_bytes))
     buf = torch.empty((rows, max(N, 1)), dtype=torch.float32, device=q.device)
     scratch = torch.empty((rows, max(N, 1)), dtype=torch.int32, device=q.device) if _TUNE["SELECT_COMPACT"] else None
     for a in range(0, M, rows):
         m = min(rows, M - a)
-        score_rows(q, k, weights, ks, ke, buf, a, m)
+        score_rows(q, k, weights, ks, ke, buf, a, m, k_scale=k_scale)
         select_rows(buf, ks, ke, out, a, m, topk, scratch=scratch)
     return out
 

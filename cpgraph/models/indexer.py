@@ -17,8 +17,10 @@ owner-sharded materialisation:
 * ``fp8``: production form -- an orthonormal Hadamard on ``iq`` and ``ik``
   (dot products unchanged, outliers spread before quantisation), keys stored
   as e4m3 + one power-of-two scale per token (``index_k_store``), queries
-  quantised with the scale folded into ``w`` (``indexer_q_quant``), logits by
-  ``indexer_logits_fp8``, selection by ``topk_ragged``.
+  quantised with the scale folded into ``w`` (``indexer_q_quant``), scores and
+  selection by ``cpgraph::indexer_topk`` given the key scales (the FP8 form of
+  the same fused op, chunked by the same byte budget, so the ``[M, N]`` fp32
+  scores of ``indexer_logits_fp8`` never exist in the model).
 
 Output: ``int32 [M, topk]`` row ids in the full view (ragged coordinates,
 already offset by the request start), best first, ``-1`` padding.
@@ -86,9 +88,11 @@ class Indexer(nn.Module):
             pre_bytes, pre_scale = _ops.index_k_gather(index_pool, meta.prefix_slots, layout.page_size, self.head_dim)
             k_bytes, k_scale = _ops.kv_compose([pre_bytes, pre_scale], [cur_bytes, cur_scale], meta.kv_source)
             q_bytes, w_q = _ops.indexer_q_quant(q, w)
-            # head_dim <= 128 -> one scale block per token (checked when the layout is built).
-            logits = _ops.indexer_logits_fp8(q_bytes, k_bytes, k_scale[:, 0].contiguous(), w_q, meta.ks, meta.ke)
-            return _ops.topk_ragged(logits, meta.ks, meta.ke, self.topk)
+            # head_dim <= 128 -> one scale block per token (checked when the layout is built).  Scored and
+            # selected a byte-budgeted chunk of rows at a time, like the dense path: never [M, N] at once.
+            key_scale = k_scale[:, 0].contiguous()
+            return _ops.indexer_topk(q_bytes, k_bytes, w_q, meta.ks, meta.ke, self.topk, layout.max_logits_bytes,
+                                     key_scale)
 
         k = k.to(index_pool.dtype)
         _ops.paged_store(index_pool, k, meta.row_slots)

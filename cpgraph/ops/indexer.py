@@ -24,7 +24,10 @@ Why the ops are split the way they are:
   fp32 score matrix of a long prefill does not fit in memory (128K x 128K x 4
   bytes = 64 GiB), while a chunk of rows does.  The chunk size depends only on
   shapes and the byte budget, never on data, so it is the same on every rank
-  and under every compile.
+  and under every compile.  Given ``k_scale`` it takes the FP8 operands of
+  ``indexer_logits_fp8`` instead, so the production FP8 path is chunked the
+  same way; it stays one op (rather than a second fused op) because the graph
+  passes already know ``indexer_topk``'s window and key arguments by position.
 * Every top-k (and every provider of one) follows one tie rule: equal scores
   go to the lower logical position (:func:`tie_rank_keys`,
   docs/ops/indexer.md).  Few-head indexers tie exactly and often, and an
@@ -32,6 +35,8 @@ Why the ops are split the way they are:
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +65,12 @@ def _check_window_values(op: str, ks: Tensor, ke: Tensor, num_keys) -> None:
     check_index_range(op, "ks", ks, 0, num_keys + 1)
     check_index_range(op, "ke", ke, 0, num_keys + 1)
     check_index_range(op, "ke - ks", ke - ks, 0, num_keys + 1)
+
+
+def _check_key_scales(op: str, k_scale: Tensor) -> None:
+    """Debug-only: key scales are positive (the providers apply them after the ReLU, exact only then)."""
+    if debug_enabled() and not bool((k_scale > 0).all()):  # sync-ok (debug)
+        raise ValueError(f"cpgraph.{op}: argument 'k_scale' must be positive (ue8m0 powers of two)")
 
 
 def _check_topk_arg(op: str, topk) -> None:
@@ -255,10 +266,12 @@ def indexer_logits_fp8(
 
     ``logits[s,t] = sum_h weights[s,h] * relu(e4m3(q_bytes[s,h]) . e4m3(k_bytes[t]) * k_scale[t])``
     inside ``[ks[s], ke[s])``, ``-inf`` outside.  The q scale is already in
-    ``weights`` (see ``indexer_q_quant``); ``k_scale`` is one fp32 per key row.
+    ``weights`` (see ``indexer_q_quant``); ``k_scale`` is one positive fp32 per
+    key row (providers may apply it after the ReLU; checked with ``CPGRAPH_DEBUG=1``).
     """
     _check_logits_fp8(q_bytes, k_bytes, k_scale, weights, ks, ke)
     _check_window_values("indexer_logits_fp8", ks, ke, k_bytes.shape[0])
+    _check_key_scales("indexer_logits_fp8", k_scale)
     fn = select("indexer_logits_fp8", q_bytes.device.type, indexer_logits_fp8_reference)
     return fn(q_bytes, k_bytes, k_scale, weights, ks, ke)
 
@@ -384,6 +397,10 @@ def logits_chunk_rows(num_keys: int, max_logits_bytes: int) -> int:
 
 def _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes) -> None:
     _check_scoring("indexer_topk", q, k, weights, ks, ke)
+    _check_budget(topk, max_logits_bytes)
+
+
+def _check_budget(topk, max_logits_bytes) -> None:
     _check_topk_arg("indexer_topk", topk)
     if isinstance(max_logits_bytes, bool) or not isinstance(max_logits_bytes, int) or max_logits_bytes < 1:
         raise ValueError(
@@ -391,20 +408,42 @@ def _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes) -> None:
         )
 
 
-def indexer_topk_reference(q, k, weights, ks, ke, topk, max_logits_bytes):
+def _check_indexer_topk_fp8(q, k, weights, ks, ke, k_scale) -> None:
+    """The FP8 form's inputs (``indexer_logits_fp8``'s checks under this op's argument names)."""
+    op = "indexer_topk"
+    check_tensor(op, "q", q, dtype=torch.uint8, ndim=3)
+    m, h, d = q.shape
+    check_tensor(op, "k", k, dtype=torch.uint8, ndim=2, shape=(None, d))
+    check_tensor(op, "k_scale", k_scale, dtype=torch.float32, ndim=1, shape=(k.shape[0],))
+    check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, shape=(m, h))
+    _check_window(op, m, ks, ke)
+    check_same_device(op, q=q, k=k, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
+
+
+def indexer_topk_reference(q, k, weights, ks, ke, topk, max_logits_bytes, k_scale=None):
     m, n = q.shape[0], k.shape[0]
     rows = logits_chunk_rows(n, max_logits_bytes)
+    if k_scale is not None:  # FP8 bytes: keys decoded once, queries a chunk at a time
+        k = e4m3_decode(k) * k_scale.unsqueeze(-1)
     out = torch.empty((m, topk), dtype=torch.int32, device=q.device)
     for a in range(0, m, rows):
         b = min(m, a + rows)
-        logits = _masked_logits(q[a:b], k, weights[a:b], ks[a:b], ke[a:b])
+        qa = q[a:b] if k_scale is None else e4m3_decode(q[a:b])
+        logits = _masked_logits(qa, k, weights[a:b], ks[a:b], ke[a:b])
         out[a:b] = _select_topk(logits, ks[a:b], ke[a:b], topk)
     return out
 
 
 @torch.library.custom_op("cpgraph::indexer_topk", mutates_args=())
 def indexer_topk(
-    q: Tensor, k: Tensor, weights: Tensor, ks: Tensor, ke: Tensor, topk: int, max_logits_bytes: int
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    topk: int,
+    max_logits_bytes: int,
+    k_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Fused ``topk_ragged(indexer_logits(q, k, weights, ks, ke), ks, ke, topk)`` in row chunks.
 
@@ -413,14 +452,31 @@ def indexer_topk(
     (at least one row per chunk).  The chunking depends on shapes and the
     budget only, so results do not depend on it.  Returns int32 ``[M, topk]``
     RAGGED ids (map to slots with ``take_rows``/``topk_paged`` semantics).
+
+    With ``k_scale`` (fp32 ``[N]``) the inputs are the FP8 operands of
+    ``indexer_logits_fp8`` (``q`` uint8 e4m3 ``[M, H, D]``, ``k`` uint8 e4m3
+    ``[N, D]``, ``weights`` with the q scale folded in) and the result is
+    ``topk_ragged(indexer_logits_fp8(q, k, k_scale, weights, ks, ke), ks, ke, topk)``,
+    chunked the same way.
     """
-    _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes)
+    if k_scale is None:
+        _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes)
+    else:
+        _check_indexer_topk_fp8(q, k, weights, ks, ke, k_scale)
+        _check_budget(topk, max_logits_bytes)
+        _check_key_scales("indexer_topk", k_scale)
     _check_window_values("indexer_topk", ks, ke, k.shape[0])
     fn = select("indexer_topk", q.device.type, indexer_topk_reference)
-    return fn(q, k, weights, ks, ke, topk, max_logits_bytes)
+    if k_scale is None:
+        return fn(q, k, weights, ks, ke, topk, max_logits_bytes)
+    return fn(q, k, weights, ks, ke, topk, max_logits_bytes, k_scale)
 
 
 @indexer_topk.register_fake
-def _indexer_topk_fake(q, k, weights, ks, ke, topk, max_logits_bytes):
-    _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes)
+def _indexer_topk_fake(q, k, weights, ks, ke, topk, max_logits_bytes, k_scale=None):
+    if k_scale is None:
+        _check_indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes)
+    else:
+        _check_indexer_topk_fp8(q, k, weights, ks, ke, k_scale)
+        _check_budget(topk, max_logits_bytes)
     return q.new_empty((q.shape[0], topk), dtype=torch.int32)

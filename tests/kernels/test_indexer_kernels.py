@@ -70,18 +70,26 @@ def integer_inputs(seed, M, H, D, N, dtype=torch.bfloat16):
 
 # ---------------------------------------------------------------- selection
 @pytest.mark.parametrize("topk", [1, 5, 16, 40])
-def test_select_equals_reference_on_ties(topk):
+@pytest.mark.parametrize("compact,split_at", [(False, 2), (True, 0)])
+def test_select_equals_reference_on_ties(topk, compact, split_at):
     g = _gen(topk)
     M, N = 10, 37
     logits = tied_scores(g, M, N)
     ks, ke = windows(g, M, N)
     slots = (torch.randperm(N + 5, generator=g)[:N] * 7).to(DEV)
-    assert torch.equal(ki.topk_ragged(logits, ks, ke, topk), ix.topk_ragged_reference(logits, ks, ke, topk))
-    assert torch.equal(ki.topk_paged(logits, ks, ke, topk, slots), ix.topk_paged_reference(logits, ks, ke, topk, slots))
+    saved = ki.tuning()
+    try:
+        ki.set_tuning(SELECT_COMPACT=compact, SELECT_SPLIT_AT=split_at)
+        assert torch.equal(ki.topk_ragged(logits, ks, ke, topk), ix.topk_ragged_reference(logits, ks, ke, topk))
+        assert torch.equal(ki.topk_paged(logits, ks, ke, topk, slots),
+                           ix.topk_paged_reference(logits, ks, ke, topk, slots))
+    finally:
+        ki.set_tuning(**saved)
 
 
-@pytest.mark.parametrize("block,compact", [(32, True), (64, False)])
-def test_select_multi_block_radix(block, compact):
+@pytest.mark.parametrize("block,compact,split_at,anchor_shift", [(32, True, 1, 18), (32, True, 2, 18), (64, False, 2, 18),
+                                                                 (32, True, 0, 18), (64, True, 0, 21), (32, True, 0, 0)])
+def test_select_multi_block_radix(block, compact, split_at, anchor_shift):
     """Windows many blocks long: every histogram pass and the ordered tie collection cross blocks."""
     g = _gen(block)
     M, N, topk = 6, 300, 24
@@ -94,10 +102,12 @@ def test_select_multi_block_radix(block, compact):
     ks = torch.tensor([0, 5, 0, 17, 0, 250], device=DEV)
     ke = torch.tensor([300, 290, 300, 299, 300, 300], device=DEV)
     out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
-    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, compact=compact)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, compact=compact, split_at=split_at,
+                   anchor_shift=anchor_shift)
     assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
     slots = torch.randperm(N, generator=g).to(DEV) + 1000
-    ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, compact=compact)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, compact=compact, split_at=split_at,
+                   anchor_shift=anchor_shift)
     assert torch.equal(out, ix.topk_paged_reference(logits, ks, ke, topk, slots))
 
 
@@ -157,7 +167,54 @@ def test_scoring_fp8_matches_reference():
     torch.testing.assert_close(got[fin], want[fin], rtol=tol, atol=tol * float(want[fin].abs().max()))
 
 
+@pytest.mark.parametrize("keys_m,group", [(False, 32), (True, 0)])
+def test_scoring_fp8_exact_on_integers_any_layout(keys_m, group):
+    """Small-integer e4m3 operands and power-of-two key scales: every FP8 score is exact, whatever the layout."""
+    g = _gen(12)
+    M, H, D, N = 6, 4, 32, 80
+    q = torch.randint(-3, 4, (M, H, D), generator=g).float()
+    k = torch.randint(-3, 4, (N, D), generator=g).float()
+    k_scale = torch.exp2(torch.randint(-3, 3, (N,), generator=g).float())
+    w = torch.randint(-2, 3, (M, H), generator=g).float()
+    q_bytes = q.to(torch.float8_e4m3fn).view(torch.uint8).to(DEV)
+    k_bytes = k.to(torch.float8_e4m3fn).view(torch.uint8).to(DEV)
+    k_scale, w = k_scale.to(DEV), w.to(DEV)
+    ks, ke = windows(g, M, N, empty_every=4)
+    want = ix.indexer_logits_fp8_reference(q_bytes, k_bytes, k_scale, w, ks, ke)
+    out = torch.full((M, N), -INF, device=DEV)
+    f8 = torch.float8_e4m3fn
+    ki.score_rows(q_bytes.view(f8), k_bytes.view(f8), w, ks, ke, out, 0, M, k_scale=k_scale, keys_m=keys_m,
+                  fp8_group=group)
+    assert torch.equal(out, want)
+
+
 # ------------------------------------------------------------------- fused
+@pytest.mark.parametrize("compact", [False, True])
+def test_indexer_topk_fp8_exact_any_budget(compact):
+    """The FP8 form of the fused op: equal to the unfused FP8 reference on exact, tie-heavy scores, any chunking."""
+    g = _gen(31)
+    M, H, D, N, topk = 9, 2, 32, 70, 7
+    q = torch.randint(-2, 3, (M, H, D), generator=g).float()
+    k = torch.randint(-2, 3, (N, D), generator=g).float()
+    k = torch.where((torch.rand(N, generator=g) < 0.4)[:, None], k[torch.randint(0, N, (N,), generator=g)], k)
+    k_scale = torch.exp2(torch.randint(-1, 2, (N,), generator=g).float()).to(DEV)
+    w = torch.randint(-2, 3, (M, H), generator=g).float().to(DEV)
+    q_bytes = q.to(torch.float8_e4m3fn).view(torch.uint8).to(DEV)
+    k_bytes = k.to(torch.float8_e4m3fn).view(torch.uint8).to(DEV)
+    ks, ke = windows(g, M, N, empty_every=5)
+    logits = ix.indexer_logits_fp8_reference(q_bytes, k_bytes, k_scale, w, ks, ke)
+    want = ix.topk_ragged_reference(logits, ks, ke, topk)
+    assert torch.equal(ix.indexer_topk_reference(q_bytes, k_bytes, w, ks, ke, topk, 4 * N * 2, k_scale), want)
+    saved = ki.tuning()
+    try:
+        ki.set_tuning(SELECT_COMPACT=compact)
+        for budget in (1, 4 * N * 4, 1 << 30):
+            got = ki.indexer_topk(q_bytes, k_bytes, w, ks, ke, topk, budget, k_scale)
+            assert torch.equal(got, want), f"budget {budget}"
+    finally:
+        ki.set_tuning(**saved)
+
+
 @pytest.mark.parametrize("H", [1, 2, 8])
 def test_indexer_topk_exact_on_integer_ties_any_budget(H):
     M, D, N, topk = 8, 16, 60, 9
@@ -274,15 +331,25 @@ def test_gpu_production_indexer_topk(lens, prefix):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_zero_heavy_ties_exact():
+@pytest.mark.parametrize("compact,split_at", [(False, 2), (True, 1), (True, 2), (True, 0)])
+def test_gpu_zero_heavy_ties_exact(compact, split_at):
     """ReLU zeros everywhere (most dots negative) at production shape: ids equal the reference's exactly."""
     q, k, w, ks, ke = _prod_batch([3000], [0], seed=1)
     q = (q.float() - 2.0).bfloat16()  # most head dots negative -> many exact-zero scores
     k = k.abs()
     got_scores = ki.indexer_logits(q, k, w, ks, ke)
     assert int((got_scores == 0).sum()) > 1_000_000  # sync-ok (test)
-    got = ki.indexer_topk(q, k, w, ks, ke, 2048, 64 << 20)
-    assert torch.equal(got, ix.topk_ragged_reference(got_scores, ks, ke, 2048))
+    saved = ki.tuning()
+    try:
+        ki.set_tuning(SELECT_COMPACT=compact, SELECT_SPLIT_AT=split_at)
+        got = ki.indexer_topk(q, k, w, ks, ke, 2048, 64 << 20)
+        want = ix.topk_ragged_reference(got_scores, ks, ke, 2048)
+        assert torch.equal(got, want)
+        # Random scores (few ties, the k-th key's bucket small) through the same selection.
+        logits = torch.randn(q.shape[0], k.shape[0], device="cuda")
+        assert torch.equal(ki.topk_ragged(logits, ks, ke, 2048), ix.topk_ragged_reference(logits, ks, ke, 2048))
+    finally:
+        ki.set_tuning(**saved)
 
 
 @pytest.mark.gpu
@@ -309,7 +376,17 @@ def test_gpu_row_local_and_cuda_graph():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_fp8_scoring_production():
+@pytest.mark.parametrize("keys_m,group", [(False, 32), (True, 0), (True, 32)])
+def test_gpu_fp8_scoring_production(keys_m, group):
+    saved = ki.tuning()
+    try:
+        ki.set_tuning(FP8_KEYS_M=keys_m, FP8_ACC_GROUP=group)
+        _fp8_production()
+    finally:
+        ki.set_tuning(**saved)
+
+
+def _fp8_production():
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, w, ks, ke = _prod_batch([2048], [0], seed=3)
     qh, kh = ops.hadamard(q), ops.hadamard(k)
@@ -320,8 +397,17 @@ def test_gpu_fp8_scoring_production():
     got = ki.indexer_logits_fp8(q_bytes, k_bytes, k_scale, w_q, ks, ke)
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got))
+    err = float((got[fin] - want[fin]).abs().max())
+    print(f"fp8 tuning {ki.tuning()['FP8_KEYS_M']}/{ki.tuning()['FP8_ACC_GROUP']}: max abs error {err:.3e} "
+          f"of max |score| {float(want[fin].abs().max()):.3e}")
     torch.testing.assert_close(got[fin], want[fin], rtol=FP8_TOL, atol=FP8_TOL * float(want[fin].abs().max()))
     del g
+    # The fused FP8 form: chunked scoring + selection, ids as the reference's up to rounding ties.
+    topk = 1024
+    ids = ki.indexer_topk(q_bytes, k_bytes, w_q, ks, ke, topk, 4 << 20, k_scale)
+    ref_ids = ix.topk_ragged_reference(want, ks, ke, topk)
+    assert torch.equal(ki.topk_ragged(got, ks, ke, topk), ids)  # same scores chunked or not: same ids
+    _assert_topk_agrees(ids, ref_ids, want, got, ks, ke, topk)
 
 
 def test_tuning_overrides_are_validated(tmp_path, monkeypatch):
@@ -333,6 +419,10 @@ def test_tuning_overrides_are_validated(tmp_path, monkeypatch):
             ki.set_tuning(BLOK=3)
         with pytest.raises(ValueError, match="'SELECT_COMPACT' must be bool"):
             ki.set_tuning(SELECT_COMPACT=1)
+        with pytest.raises(ValueError, match="SELECT_SPLIT_AT must be 0, 1 or 2"):
+            ki.set_tuning(SELECT_SPLIT_AT=3)
+        with pytest.raises(ValueError, match="FP8_ACC_GROUP must be"):
+            ki.set_tuning(FP8_ACC_GROUP=16)
         path = tmp_path / "tune.json"
         path.write_text('{"KEY_TILE": 64, "SELECT_COMPACT": true}')
         monkeypatch.setenv("CPGRAPH_INDEXER_TUNING", str(path))

@@ -612,3 +612,93 @@ def test_debug_range_check(monkeypatch):
         ops.indexer_logits(q, k, w, ks, torch.full((3,), 6))
     with pytest.raises(ValueError, match="ke - ks"):
         ops.topk_ragged(torch.zeros(3, 5), torch.full((3,), 3), torch.full((3,), 2), 2)
+
+
+# ------------------------------------------------------- indexer_topk (FP8)
+def fp8_tie_inputs(seed, M, H, D, N):
+    """e4m3 bytes of small integers and power-of-two key scales: exact scores that tie often."""
+    q, k, w = integer_tie_inputs(seed, M, H, D, N)
+    g = torch.Generator().manual_seed(seed + 7)
+    k_scale = torch.exp2(torch.randint(-2, 2, (N,), generator=g).float())
+    q_bytes = q.to(torch.float8_e4m3fn).view(torch.uint8)
+    k_bytes = k.to(torch.float8_e4m3fn).view(torch.uint8)
+    return q_bytes, k_bytes, k_scale, w
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), M=st.integers(1, 6), H=st.integers(1, 3), N=st.integers(1, 14),
+       topk=st.integers(1, 9))
+def test_indexer_topk_fp8_equals_unfused_any_chunking(seed, M, H, N, topk):
+    q_bytes, k_bytes, k_scale, w = fp8_tie_inputs(seed, M, H, 4, N)
+    ks, ke = random_windows(torch.Generator().manual_seed(seed + 1), M, N)
+    q_val = torch.tensor([e4m3_value(b) for b in q_bytes.flatten().tolist()]).view(q_bytes.shape)
+    k_val = torch.tensor([e4m3_value(b) for b in k_bytes.flatten().tolist()]).view(k_bytes.shape)
+    scores = brute_logits(q_val, k_val * k_scale[:, None], w, ks, ke)
+    want = [brute_tie_rule(scores[s], int(ks[s]), int(ke[s]), topk) for s in range(M)]
+    unfused = ops.topk_ragged(ops.indexer_logits_fp8(q_bytes, k_bytes, k_scale, w, ks, ke), ks, ke, topk)
+    assert unfused.tolist() == want
+    for budget in (1, 4 * N, 4 * N * 2 + 3, 1 << 40):
+        got = ops.indexer_topk(q_bytes, k_bytes, w, ks, ke, topk, budget, k_scale)
+        assert got.tolist() == want, f"budget {budget}"
+
+
+@pytest.mark.parametrize("budget_rows,expected_rows", [(0, 1), (2, 2), (1000, 1000)])
+def test_indexer_topk_fp8_chunks_are_bounded(monkeypatch, budget_rows, expected_rows):
+    """The FP8 form never scores more than a budget's worth of rows at once (the model's memory bound)."""
+    M, N = 9, 13
+    q_bytes, k_bytes, k_scale, w = fp8_tie_inputs(4, M, 2, 4, N)
+    ks, ke = random_windows(torch.Generator().manual_seed(5), M, N)
+    budget = max(1, 4 * N * budget_rows)
+    shapes = []
+    real = indexer._masked_logits
+
+    def spy(*args):
+        out = real(*args)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(indexer, "_masked_logits", spy)
+    ops.indexer_topk(q_bytes, k_bytes, w, ks, ke, 3, budget, k_scale)
+    assert len(shapes) == math.ceil(M / expected_rows) and sum(r for r, _ in shapes) == M
+    assert all(r == min(expected_rows, M) or r == M % expected_rows for r, _ in shapes)
+    if budget_rows >= 1:
+        assert all(r * n * 4 <= budget for r, n in shapes)
+
+
+@pytest.mark.parametrize("seed,M,H,D,N", [(0, 4, 2, 8, 6), (1, 1, 3, 16, 9), (2, 7, 1, 4, 1)])
+def test_opcheck_indexer_topk_fp8(seed, M, H, D, N):
+    q, k, w, ks, ke = scoring_inputs(seed, M, H, D, N)
+    q_bytes, w_q = ops.indexer_q_quant(q, w)
+    k_scale = indexer.ue8m0_scale(k.abs().amax(-1))
+    k_bytes = indexer.e4m3_bytes(k, k_scale)
+    _opcheck(ops.indexer_topk, (q_bytes, k_bytes, w_q, ks, ke, 3, 4 * N * 2, k_scale))
+    _opcheck(ops.indexer_topk, (q_bytes, k_bytes, w_q, ks.int(), ke.int(), 5, 1, k_scale))
+
+
+def test_indexer_topk_fp8_errors():
+    q, k, w, ks, ke = _good()
+    q_bytes, w_q = ops.indexer_q_quant(q, w)
+    k_scale = indexer.ue8m0_scale(k.abs().amax(-1))
+    k_bytes = indexer.e4m3_bytes(k, k_scale)
+    with pytest.raises(ValueError, match="indexer_topk: argument 'q'"):
+        ops.indexer_topk(q, k_bytes, w_q, ks, ke, 2, 1024, k_scale)  # float q with key scales
+    with pytest.raises(ValueError, match="indexer_topk: argument 'k_scale'"):
+        ops.indexer_topk(q_bytes, k_bytes, w_q, ks, ke, 2, 1024, k_scale[:-1])
+    with pytest.raises(ValueError, match="indexer_topk: argument 'q'"):
+        ops.indexer_topk(q_bytes, k.float(), w_q, ks, ke, 2, 1024)  # bytes without key scales
+    with pytest.raises(ValueError, match="max_logits_bytes"):
+        ops.indexer_topk(q_bytes, k_bytes, w_q, ks, ke, 2, 0, k_scale)
+
+
+def test_debug_check_rejects_non_positive_key_scales(monkeypatch):
+    q_bytes, k_bytes, k_scale, w = fp8_tie_inputs(6, 3, 2, 4, 5)
+    ks, ke = torch.zeros(3, dtype=torch.long), torch.full((3,), 5)
+    bad = k_scale.clone()
+    bad[2] = -1.0
+    ops.indexer_topk(q_bytes, k_bytes, w, ks, ke, 2, 1024, bad)  # unchecked without CPGRAPH_DEBUG
+    monkeypatch.setenv("CPGRAPH_DEBUG", "1")
+    with pytest.raises(ValueError, match="'k_scale' must be positive"):
+        ops.indexer_topk(q_bytes, k_bytes, w, ks, ke, 2, 1024, bad)
+    with pytest.raises(ValueError, match="'k_scale' must be positive"):
+        ops.indexer_logits_fp8(q_bytes, k_bytes, bad, w, ks, ke)
+    ops.indexer_topk(q_bytes, k_bytes, w, ks, ke, 2, 1024, k_scale)
