@@ -26,18 +26,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "models"))
 from cp_model import CP_TIMEOUT_S  # noqa: E402
+from mtp_reference import PAGE  # noqa: E402
 from dist_utils import shared_pool  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-# (prompt lengths, cached prefix lengths).  One batch: a rank compiles two draft graphs (the pass
-# without and the pass with a cached prefix); every further batch would cost a rank whose share of
-# the prefix changes between empty and not a third graph.
-BATCHES = [
-    # 1- and 2-token extends, prefix hits, page-tail slack, prompts longer than index_topk (48):
-    # the draft's own indexer selects.
-    ([40, 17, 33, 2, 70, 29], [16, 0, 32, 0, 64, 16]),
-]
+# (prompt lengths, cached prefix lengths).  One batch: every further batch could cost a rank whose
+# share of the prefix changes between empty and not another graph.
+# 1- and 2-token extends, prefix hits, page-tail slack, prompts longer than index_topk (48): the
+# draft's own indexer selects.
+BATCH = ([40, 17, 33, 2, 70, 29], [16, 0, 32, 0, 64, 16])
+E2E_BATCH = (BATCH[0], [0] * len(BATCH[0]))
 SAMPLED = [3, 1, 4, 1, 5, 9]
 
 _BUILT: dict = {}
@@ -90,11 +89,12 @@ def _local_rows(plan, rank, hidden):
 
 
 @torch.no_grad()
-def run_draft(draft, model, prompts, prefix, hidden, *, rank=0, cp=1):
+def run_draft(draft, model, prompts, prefix, hidden, *, rank=0, cp=1, seed=None):
     """The draft over a prefix pass and an extend pass, as ``run_prefill`` drives them (draft layer only).
 
-    Returns ``(draft logits [B, vocab], {(request, logical page): (mla bytes, index-K bytes)})`` of the
-    pages this rank owns.
+    ``seed``: single-device draft pages ``{(request, logical page): (mla bytes, index-K bytes)}``; the
+    prefix pass is then replaced by writing the cached prefix's pages to their owners.  Returns
+    ``(draft logits [B, vocab], pages)`` with the pages this rank owns.
     """
     import mtp_reference as ref
 
@@ -120,9 +120,16 @@ def run_draft(draft, model, prompts, prefix, hidden, *, rank=0, cp=1):
         dinputs = build_draft_inputs(plan, [prompts[i] for i in reqs], sampled, rank=rank)
         return draft(_local_rows(plan, rank, [hidden[i] for i in reqs]), dinputs, meta, mla, index)
 
-    if with_prefix:
+    if with_prefix and seed is None:
         one_pass(pre, with_prefix, [prompts[i][: prefix[i]] for i in with_prefix],
                  [tables[i][: len(prefix_owners[i])] for i in with_prefix], [[] for _ in with_prefix], None)
+    elif with_prefix:
+        for i in with_prefix:
+            for j, page in enumerate(tables[i][: len(prefix_owners[i])]):
+                if page >= 0:
+                    rows = slice(page * ps, (page + 1) * ps)
+                    for dst, raw in zip((mla, index), seed[(i, j)]):
+                        dst[rows] = torch.from_numpy(np.frombuffer(raw, dtype=np.float32).reshape(ps, -1).copy())
     out = one_pass(ext, range(B), [p[q:] for p, q in zip(prompts, prefix)], tables, prefix_owners,
                    torch.tensor(SAMPLED[:B]))
     pages = {}
@@ -134,62 +141,119 @@ def run_draft(draft, model, prompts, prefix, hidden, *, rank=0, cp=1):
     return out.logits.numpy().copy(), pages
 
 
-def _draft_cp(ctx):
-    key = (ctx.group_name, ctx.world_size)
+def _all_pages(res, model):
+    """``{(request, logical page, payload): bytes}`` of every page a ``run_prefill`` result's pool holds."""
+    import mtp_reference as ref
+
+    ps, pool = ref.PAGE, res.pool
+    out = {}
+    for i, table in enumerate(res.tables):
+        for j, page in enumerate(table):
+            if page < 0:
+                continue
+            rows = slice(page * ps, (page + 1) * ps)
+            for layer in range(pool.config.num_layers):
+                out[(i, j, "mla", layer)] = pool.mla_pool(layer)[rows].numpy().tobytes()
+            for layer in pool.config.active_index_layers:
+                out[(i, j, "index", layer)] = pool.index_pool(layer)[rows].numpy().tobytes()
+    return out
+
+
+def _compiled(ctx, what):
+    key = (what, ctx.group_name, ctx.world_size)
     if key not in _BUILT:
         from cp_model import use_numerics_compile_settings
 
         from cpgraph.passes import CPConfig, compile
 
         use_numerics_compile_settings()
-        draft = _model().draft_module()
-        _BUILT[key] = compile(draft, CPConfig(group=ctx.group_name, cp_size=ctx.world_size), backend="aot_eager",
+        module = _model().draft_module() if what == "draft" else _model()
+        _BUILT[key] = compile(module, CPConfig(group=ctx.group_name, cp_size=ctx.world_size), backend="aot_eager",
                               dynamic=True)
     return _BUILT[key]
 
 
-def job_cp(ctx, batches):
+def job_end_to_end(ctx, lens, prefix):
+    """This rank's ``run_prefill`` with the compiled target and draft (``draft_tokens`` fixed)."""
+    from cpgraph.runtime.engine import run_prefill
+
     model = _model()
-    draft = _draft_cp(ctx)
-    out = []
-    for k, (lens, prefix) in enumerate(batches):
-        prompts = _prompts(lens, k)
-        hidden = _target_hidden(model, prompts)
-        out.append(run_draft(draft, model, prompts, prefix, hidden, rank=ctx.rank, cp=ctx.world_size))
-    return out
+    target = _compiled(ctx, "target")
+    res = run_prefill(lambda *a, **k: target(*a, **k), model, _prompts(lens, 0), prefix_lens=prefix,
+                      page_size=PAGE, rank=ctx.rank, cp_size=ctx.world_size, draft=_compiled(ctx, "draft"),
+                      draft_tokens=SAMPLED)
+    return res.draft_logits.numpy().copy(), res.logits.numpy().copy(), _all_pages(res, model)
 
 
-def job_reference(ctx, batches):
+def job_draft_only(ctx, lens, prefix, seed):
     model = _model()
-    draft = model.draft_module()
-    out = []
-    for k, (lens, prefix) in enumerate(batches):
-        prompts = _prompts(lens, k)
-        out.append(run_draft(draft, model, prompts, prefix, _target_hidden(model, prompts)))
-    return out
+    prompts = _prompts(lens, 0)
+    return run_draft(_compiled(ctx, "draft"), model, prompts, prefix, _target_hidden(model, prompts),
+                     rank=ctx.rank, cp=ctx.world_size, seed=seed)
 
 
-_REFERENCE: list = []
+def job_reference(ctx, lens, prefix):
+    """One device, eager: ``run_prefill`` with the draft (``E2E_BATCH``), and the draft-only driver."""
+    from cpgraph.runtime.engine import run_prefill
+
+    model = _model()
+    prompts = _prompts(lens, 0)
+    res = run_prefill(lambda *a, **k: model(*a, **k), model, prompts, prefix_lens=E2E_BATCH[1], page_size=PAGE,
+                      draft=model.draft_module(), draft_tokens=SAMPLED)
+    draft_only = run_draft(model.draft_module(), model, prompts, prefix, _target_hidden(model, prompts))
+    return {"e2e": (res.draft_logits.numpy().copy(), res.logits.numpy().copy(), _all_pages(res, model)),
+            "draft_only": draft_only}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_draft_cp_equals_single_device(world):
-    pending = None if _REFERENCE else shared_pool(1, CP_TIMEOUT_S).submit(job_reference, BATCHES)
-    results = shared_pool(world, CP_TIMEOUT_S).run(job_cp, BATCHES)
+_REFERENCE: dict = {}
+
+
+def _reference():
+    if not _REFERENCE:
+        _REFERENCE.update(shared_pool(1, CP_TIMEOUT_S).run(job_reference, *BATCH)[0])
+    return _REFERENCE
+
+
+def _close(got, want, what):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=what)
+
+
+def test_target_and_draft_end_to_end_cp2():
+    pending = None if _REFERENCE else shared_pool(1, CP_TIMEOUT_S).submit(job_reference, *BATCH)
+    results = shared_pool(2, CP_TIMEOUT_S).run(job_end_to_end, *E2E_BATCH)
     if pending is not None:
-        _REFERENCE.extend(pending.result()[0])
-    for k, (ref_logits, ref_pages) in enumerate(_REFERENCE):
-        for rank, r in enumerate(results):
-            assert np.array_equal(r[k][0], results[0][k][0]), f"batch {k}: ranks disagree"
-        # The KV below is bit-identical; the logits may differ in the last bit (fp32 matmuls over a
-        # rank's rows vs all rows take other blockings), so they are compared to 1e-6 of their scale.
-        np.testing.assert_allclose(results[0][k][0], ref_logits, rtol=0, atol=1e-6 * np.abs(ref_logits).max(),
-                                   err_msg=f"batch {k}: CP draft logits != single-device")
-        # The draft layer's pages are owner-sharded: each logical page lives on exactly one rank, and its
-        # bytes (MLA records and index-K of layer num_hidden_layers) equal the single-device page's.
-        owned = [set(r[k][1]) for r in results]
-        assert sum(len(o) for o in owned) == len(ref_pages) and set().union(*owned) == set(ref_pages)
-        for rank, r in enumerate(results):
-            for key, (mla, index) in r[k][1].items():
-                assert mla == ref_pages[key][0], f"batch {k}, rank {rank}, page {key}: draft MLA records differ"
-                assert index == ref_pages[key][1], f"batch {k}, rank {rank}, page {key}: draft index-K differs"
+        _REFERENCE.update(pending.result()[0])
+    ref_draft, ref_logits, ref_pages = _reference()["e2e"]
+    for r in results:
+        assert np.array_equal(r[0], results[0][0]) and np.array_equal(r[1], results[0][1]), "ranks disagree"
+    _close(results[0][0], ref_draft, "CP draft logits != single-device")
+    _close(results[0][1], ref_logits, "CP target logits != single-device")
+    owned = [set(r[2]) for r in results]
+    assert sum(len(o) for o in owned) == len(ref_pages) and set().union(*owned) == set(ref_pages)
+    N = _model().config.draft_layer
+    assert any(key[3] == N for key in ref_pages)  # the draft's layer is in the pool and compared
+    for rank, r in enumerate(results):
+        for key, raw in r[2].items():
+            if key[3] != N:  # the target's pages: bit-identical
+                assert raw == ref_pages[key], f"rank {rank}, page {key}: bytes differ from the single-device page"
+                continue
+            # The draft's records are computed from the target's *final* hidden states, which (like the
+            # logits) may differ from one device in the last bit; with the same hidden rows they are
+            # bit-identical (test_draft_cp4_equals_single_device).
+            got, want = (np.frombuffer(b, dtype=np.float32) for b in (raw, ref_pages[key]))
+            _close(got, want, f"rank {rank}, draft page {key}")
+
+
+def test_draft_cp4_equals_single_device():
+    ref_logits, ref_pages = _reference()["draft_only"]
+    results = shared_pool(4, CP_TIMEOUT_S).run(job_draft_only, *BATCH, ref_pages)
+    for r in results:
+        assert np.array_equal(r[0], results[0][0]), "ranks disagree"
+    _close(results[0][0], ref_logits, "CP draft logits != single-device")
+    # Owner-sharded: each logical page of the draft layer lives on exactly one rank, bytes as on one device.
+    owned = [set(r[1]) for r in results]
+    assert sum(len(o) for o in owned) == len(ref_pages) and set().union(*owned) == set(ref_pages)
+    for rank, r in enumerate(results):
+        for key, (mla, index) in r[1].items():
+            assert mla == ref_pages[key][0], f"rank {rank}, page {key}: draft MLA records differ"
+            assert index == ref_pages[key][1], f"rank {rank}, page {key}: draft index-K differs"
