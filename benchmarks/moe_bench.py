@@ -9,6 +9,15 @@ bf16 GEMM measured in the same run; the dense form (every expert on every row) i
 it fits (``--dense-max-rows``), and the max |diff| between both is printed.
 
     python benchmarks/moe_bench.py [--shapes kernel,v3] [--rows 2048,8192,32768] [--json out.json]
+
+``--fp8``: FP8 experts instead (e4m3 weights with 128 x 128 block scales, quantised here from the
+bf16 ones by the published recipe, ue8m0 activation scales): per shape / rows / routing, the whole
+op with FP8 experts (Triton grouped FP8 GEMMs) against the same op with the bf16 experts
+(``torch._grouped_mm``) in the same run, their ratio, and the relative L2 difference of the two
+outputs (the activation quantisation); then the gate/up GEMM alone, FP8 Triton tile variants
+(``--tiles``) against ``torch._grouped_mm`` on the same dispatch.
+
+    python benchmarks/moe_bench.py --fp8 --shapes v3 --rows 4096,16384 --routing uniform --json fp8.json
 """
 
 from __future__ import annotations
@@ -48,6 +57,85 @@ def routing(M: int, E: int, k: int, skewed: bool, g: torch.Generator) -> tuple[t
     return ids, w / w.sum(-1, keepdim=True)
 
 
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, N, K]`` -> e4m3 and ``[E, N/128, K/128]`` scales (``amax / 448`` per block), one expert at a time."""
+    E, N, K = w.shape
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(E, -(-N // 128), -(-K // 128), dtype=torch.float32, device=w.device)
+    for e in range(E):
+        blocks = torch.nn.functional.pad(w[e].float(), (0, s.shape[2] * 128 - K, 0, s.shape[1] * 128 - N))
+        blocks = blocks.view(s.shape[1], 128, s.shape[2], 128)
+        s[e] = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448
+        q[e] = (blocks / s[e][:, None, :, None]).clamp(-448, 448).view(s.shape[1] * 128, -1)[:N, :K].to(q.dtype)
+    return q, s
+
+
+TILES = [None, (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 256, 8, 3)]
+
+
+def fp8_main(args) -> None:
+    import cpgraph.kernels  # noqa: F401
+    from cpgraph.kernels.fp8_grouped import grouped_gemm
+    from cpgraph.kernels.fp8_linear import quantize_activations
+    from cpgraph.ops.moe import dispatch_plan
+
+    ops = torch.ops.cpgraph
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    print(f"moe_bench --fp8 on {name}")
+    print(f"{'shape':<6}{'rows':>7}{'routing':>9} {'impl':>26}{'ms':>9}{'TFLOP/s':>9}{'x bf16':>8}{'relL2':>8}")
+    rows_out = []
+    g = torch.Generator().manual_seed(0)
+    for shape in args.shapes.split(","):
+        H, I, E, k = SHAPES[shape]
+        gate_up = (torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * H**-0.5)
+        down = (torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * I**-0.5)
+        gq, gs = quantize_experts(gate_up)
+        dq, ds = quantize_experts(down)
+        for M in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+            nv = torch.tensor([M], device=dev)
+            for mode in args.routing.split(","):
+                ids, w = (t.to(dev) for t in routing(M, E, k, mode == "skewed", g))
+                bf16 = lambda: ops.moe_experts(x, ids, w, gate_up, down, nv)  # noqa: E731
+                fp8 = lambda: ops.moe_experts(x, ids, w, gq, dq, nv, gs, ds, 128, 128, True)  # noqa: E731
+                a, b = bf16().float(), fp8().float()
+                rel = float((a - b).norm() / a.norm())
+                flops = 6 * H * I * k * M
+                t_bf16 = time_ms(bf16, args.repeat)
+                t_fp8 = time_ms(fp8, args.repeat)
+                for impl, t in (("op bf16 (_grouped_mm)", t_bf16), ("op fp8 (triton)", t_fp8)):
+                    ratio = t_bf16 / t
+                    rows_out.append({"shape": shape, "rows": M, "routing": mode, "impl": impl, "ms": t,
+                                     "tflops": flops / t / 1e9, "x_bf16": ratio, "rel_l2_vs_bf16": rel})
+                    print(f"{shape:<6}{M:>7}{mode:>9} {impl:>26}{t:>9.3f}{flops / t / 1e9:>9.0f}{ratio:>8.2f}{rel:>8.3f}")
+                # The gate/up GEMM alone on the same dispatch.
+                plan = dispatch_plan(ids, nv, E)
+                xs = x.index_select(0, plan.order // k)
+                src = plan.order // k
+                xq, xsc = quantize_activations(x, 128, True)
+                t_gm = time_ms(lambda: torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=plan.group_ends), args.repeat)
+                gflops = 2 * H * 2 * I * k * M
+                rows_out.append({"shape": shape, "rows": M, "routing": mode, "impl": "gate_up _grouped_mm bf16",
+                                 "ms": t_gm, "tflops": gflops / t_gm / 1e9, "x_bf16": 1.0})
+                print(f"{shape:<6}{M:>7}{mode:>9} {'gate_up bf16':>26}{t_gm:>9.3f}{gflops / t_gm / 1e9:>9.0f}{1.0:>8.2f}")
+                for tiles in TILES if args.tiles else TILES[:1]:
+                    fn = lambda tiles=tiles: grouped_gemm(xq, xsc, src, gq, gs, plan.group_ends, 128, 128,  # noqa: E731
+                                                          torch.bfloat16, M * k, tiles=tiles)
+                    t = time_ms(fn, args.repeat)
+                    label = "gate_up fp8 " + ("default" if tiles is None else "x".join(map(str, tiles)))
+                    rows_out.append({"shape": shape, "rows": M, "routing": mode, "impl": label, "tiles": tiles,
+                                     "ms": t, "tflops": gflops / t / 1e9, "x_bf16": t_gm / t})
+                    print(f"{shape:<6}{M:>7}{mode:>9} {label:>26}{t:>9.3f}{gflops / t / 1e9:>9.0f}{t_gm / t:>8.2f}")
+                del xs, xq, xsc
+            del x
+        del gate_up, down, gq, gs, dq, ds
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows_out}, indent=2))
+
+
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,11 +146,15 @@ def main() -> None:
     ap.add_argument("--dense-max-rows", type=int, default=8192, help="time the dense form up to this many rows")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fp8", action="store_true", help="FP8 experts vs bf16 experts (see the module docstring)")
+    ap.add_argument("--tiles", action="store_true", help="with --fp8: also time the grouped GEMM's tile variants")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("moe_bench: needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.fp8:
+        return fp8_main(args)
     import cpgraph.kernels  # noqa: F401
     from cpgraph.ops.moe import moe_experts_reference
     from cpgraph.ops.providers import active_provider

@@ -11,6 +11,9 @@ activation); the kernel keeps it in registers, reads only routed positions
 never addressed) and sums the slots in a fixed order, so a row's result is
 deterministic and depends only on that row.
 
+FP8 experts (e4m3 stacks with block scales) take the Triton grouped FP8
+GEMM of :mod:`.fp8_grouped` instead.
+
 Operands the grouped GEMM does not take (fp32 or fp16 on CUDA, row strides
 not 16-byte aligned) run the dense reference; that choice is logged once per
 reason, never silent.
@@ -93,8 +96,17 @@ def combine(y_sorted: Tensor, slot_pos: Tensor, topk_w: Tensor, out_dtype: torch
     return out
 
 
-def moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None) -> Tensor:
-    """Provider: grouped GEMMs + Triton combine where ``torch._grouped_mm`` takes the operands."""
+def moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None, gate_up_scale=None, down_scale=None,
+                block_n=128, block_k=128, act_scale_pow2=False) -> Tensor:
+    """Provider: grouped GEMMs + Triton combine where ``torch._grouped_mm`` takes the operands.
+
+    FP8 experts (block scales given) run :func:`cpgraph.kernels.fp8_grouped.moe_experts_fp8`.
+    """
+    if gate_up_scale is not None:
+        from .fp8_grouped import moe_experts_fp8
+
+        return moe_experts_fp8(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale,
+                               block_n, block_k, act_scale_pow2)
     if not grouped_mm_supported(x, gate_up):
         key = (x.device.type, x.dtype, x.shape[1] % 8, gate_up.shape[1] % 16)
         if key not in _WARNED:

@@ -15,12 +15,16 @@ Two ways to load (``from_pretrained(..., weights=...)``):
   the same model; the CPU path and the oracle;
 * ``"fp8"``: projections that the model calls as layers become
   :class:`FP8Linear` modules that keep the e4m3 weight and its block scales
-  and run ``cpgraph::fp8_block_linear``.  Two kinds of weights stay
-  dequantized: ``self_attn.kv_b_proj`` (the absorbed attention reads its
-  matrix as ``W_UK`` / ``W_UV`` einsum operands, it is never called as a
-  layer) and the routed experts' stacked ``[E, 2I, H]`` / ``[E, H, I]``
-  weights (``cpgraph::moe_experts`` takes dense stacks); the router and the
-  indexer's ``weights_proj`` are fp32 by the model's definition.
+  and run ``cpgraph::fp8_block_linear``; the routed experts become
+  :class:`~cpgraph.models.moe.FP8Experts` (e4m3 ``[E, 2I, H]`` / ``[E, H,
+  I]`` stacks plus stacked block scales, computed by ``cpgraph::moe_experts``
+  with the scales passed).  ``self_attn.kv_b_proj`` stays dequantized (the
+  absorbed attention reads its matrix as ``W_UK`` / ``W_UV`` einsum
+  operands, it is never called as a layer), and so do the routed experts of
+  a layer whose ``moe_intermediate_size`` is not a multiple of the block's
+  rows or whose experts are not all quantized (logged once; the stacked gate
+  and up halves must not share a scale row); the router and the indexer's
+  ``weights_proj`` are fp32 by the model's definition.
 
 Every malformed input raises :class:`FP8CheckpointError`, one line naming
 the tensor, before any tensor data is read.
@@ -28,6 +32,7 @@ the tensor, before any tensor data is read.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -40,8 +45,10 @@ import cpgraph.ops.fp8_linear  # noqa: F401  (registers cpgraph::fp8_block_linea
 from cpgraph.ops.fp8_linear import ceil_div, dequantize_weight
 
 from .config import DSAConfig, FP8Quantization
+from .moe import Experts, FP8Experts
 
 _ops = torch.ops.cpgraph
+log = logging.getLogger("cpgraph.models")
 
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
 FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
@@ -52,7 +59,13 @@ DENSE_ONLY_SUFFIXES = ("self_attn.kv_b_proj",)
 # Modules whose weight is fp32 by the model's definition (the router, the indexer's head weights).
 _FP32_MODULES = ("mlp.gate", "indexer.weights_proj")
 _PER_EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
+# A routed expert's projection module: (experts module, expert index, projection).
+_EXPERT_MODULE_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+_LOGGED: set[str] = set()
 
 
 class FP8CheckpointError(ValueError):
@@ -75,17 +88,49 @@ class QuantPlan:
     scales: dict[str, str] = field(default_factory=dict)
 
     def fp8_modules(self, cfg: DSAConfig) -> list[str]:
-        """Modules that become :class:`FP8Linear` in ``"fp8"`` mode (names without ``.weight``)."""
+        """Modules kept in e4m3 in ``"fp8"`` mode (names without ``.weight``).
+
+        :class:`FP8Linear` layers, and the per-expert projections
+        (``...mlp.experts.<j>.gate_proj``) of every layer whose routed
+        experts can stay FP8 (:meth:`fp8_expert_layers`).
+        """
+        expert_layers = self.fp8_expert_layers(cfg)
         out = []
         for weight in sorted(self.scales):
             module = weight[: -len(".weight")]
             layer = _LAYER_RE.match(weight)
             if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
                 continue  # multi-token-prediction layers are not loaded
+            expert = _EXPERT_MODULE_RE.match(module)
+            if expert is not None:
+                if expert.group(1) in expert_layers:
+                    out.append(module)
+                continue
             if _PER_EXPERT_RE.match(weight) or module.endswith(DENSE_ONLY_SUFFIXES + _FP32_MODULES):
                 continue
             out.append(module)
         return out
+
+    def fp8_expert_layers(self, cfg: DSAConfig) -> set[str]:
+        """``...mlp.experts`` prefixes whose routed experts stay e4m3: all ``3 E`` projections quantized, and
+        ``moe_intermediate_size`` a multiple of the block's rows (else they are dequantized, logged once)."""
+        counts: dict[str, int] = {}
+        for weight in self.scales:
+            m = _EXPERT_MODULE_RE.match(weight[: -len(".weight")])
+            if m is not None:
+                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+        full = {p for p, n in counts.items() if n == 3 * cfg.n_routed_experts}
+        why = None
+        if counts and cfg.moe_intermediate_size % self.quant.block[0]:
+            why = (f"moe_intermediate_size {cfg.moe_intermediate_size} is not a multiple of the "
+                   f"{self.quant.block[0]}-row weight block")
+            full = set()
+        elif len(full) != len(counts):
+            why = f"{len(counts) - len(full)} layer(s) do not quantize all {3 * cfg.n_routed_experts} expert projections"
+        if why and why not in _LOGGED:
+            _LOGGED.add(why)
+            log.warning("weights='fp8': routed experts of %d layer(s) are dequantized: %s", len(counts) - len(full), why)
+        return full
 
 
 def _expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -171,10 +216,14 @@ def dequantized_entries(entries: Iterable[tuple[str, Callable]], plan: QuantPlan
     ``read(rows)`` reads a tensor (``rows=None``) or a leading-dim slice.
     """
     bo, bi = plan.quant.block
+    expert_scales = _ExpertScaleStacker(keep_fp8)
     for name, read in entries:
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in plan.scales:
             if name[: -len(SCALE_SUFFIX)] in keep_fp8:
-                yield name, read
+                if expert_scales.wants(name):
+                    yield from expert_scales.add(name, read(None))
+                else:
+                    yield name, read
             continue
         if name in plan.scales and name not in keep_fp8:
             # Looked up when read: entries the caller skips (other ranks' experts) have no scale loaded.
@@ -184,6 +233,45 @@ def dequantized_entries(entries: Iterable[tuple[str, Callable]], plan: QuantPlan
             yield name, dequantized
             continue
         yield name, read
+
+
+class _ExpertScaleStacker:
+    """Stacks kept experts' per-expert block scales into :class:`FP8Experts`' layout, layer by layer.
+
+    The e4m3 weights are stacked by the loader (as dense experts are); their
+    scales are stacked here: expert ``j``'s gate and up scale rows
+    concatenated (``gate_up_proj_scale_inv``), its down scales
+    (``down_proj_scale_inv``), over the kept experts in index order.  Only
+    the experts in ``keep_fp8`` count, which under expert parallelism are the
+    rank's own (:func:`swap_fp8_linears` keeps only those), so the stacks
+    match the shard.  Scales are small (about 2.7 MB per V3.2 layer), so they
+    are read as they come and a layer's stacks are yielded once complete.
+    """
+
+    def __init__(self, keep_fp8: set[str]):
+        self.pending: dict[str, set[tuple[int, str]]] = {}
+        for weight in keep_fp8:
+            m = _EXPERT_MODULE_RE.match(weight[: -len(".weight")])
+            if m is not None:
+                self.pending.setdefault(m.group(1), set()).add((int(m.group(2)), m.group(3)))
+        self.got: dict[str, dict[tuple[int, str], Tensor]] = {}
+
+    def wants(self, scale_name: str) -> bool:
+        return _EXPERT_MODULE_RE.match(scale_name[: -len(".weight" + SCALE_SUFFIX)]) is not None
+
+    def add(self, scale_name: str, t: Tensor) -> Iterator[tuple[str, Callable]]:
+        m = _EXPERT_MODULE_RE.match(scale_name[: -len(".weight" + SCALE_SUFFIX)])
+        prefix, key = m.group(1), (int(m.group(2)), m.group(3))
+        got = self.got.setdefault(prefix, {})
+        got[key] = t
+        if len(got) < len(self.pending.get(prefix, ())):
+            return
+        del self.got[prefix]
+        experts = sorted({j for j, _ in got})
+        gate_up = torch.stack([torch.cat((got[(j, "gate_proj")], got[(j, "up_proj")]), 0) for j in experts])
+        down = torch.stack([got[(j, "down_proj")] for j in experts])
+        for name, stack in ((f"{prefix}.gate_up_proj{SCALE_SUFFIX}", gate_up), (f"{prefix}.down_proj{SCALE_SUFFIX}", down)):
+            yield name, (lambda rows, t=stack: t if rows is None else t[rows])
 
 
 def scale_names_to_read(plan: QuantPlan, keep_fp8: set[str], wanted: Callable[[str], bool]) -> list[str]:
@@ -246,12 +334,20 @@ class FP8Linear(nn.Module):
 def swap_fp8_linears(model: nn.Module, modules: list[str], quant: FP8Quantization) -> set[str]:
     """Replace the named ``nn.Linear`` modules of ``model`` by :class:`FP8Linear`; returns their weight names.
 
+    Per-expert names (``...mlp.experts.<j>.gate_proj``) turn their layer's
+    :class:`Experts` into :class:`FP8Experts` instead.
+
     A name the model does not have is left for the loader to report (as an
     unexpected checkpoint tensor); a name that is not an ``nn.Linear``
     (a model change this module does not know about) raises.
     """
     kept = set()
+    expert_modules: dict[str, list[tuple[int, str]]] = {}
     for name in modules:
+        expert = _EXPERT_MODULE_RE.match(name)
+        if expert is not None:
+            expert_modules.setdefault(expert.group(1), []).append((int(expert.group(2)), name))
+            continue
         parent_name, _, leaf = name.rpartition(".")
         try:
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -268,7 +364,32 @@ def swap_fp8_linears(model: nn.Module, modules: list[str], quant: FP8Quantizatio
                         device=old.weight.device, dtype=old.weight.dtype)
         setattr(parent, leaf, new)
         kept.add(name + ".weight")
+    for prefix, names in expert_modules.items():
+        kept |= _swap_experts(model, prefix, names, quant)
     return kept
+
+
+def _swap_experts(model: nn.Module, prefix: str, names: list[tuple[int, str]], quant: FP8Quantization) -> set[str]:
+    """Replace the :class:`Experts` at ``prefix`` by :class:`FP8Experts`; the weight names of its own experts.
+
+    Under expert parallelism the module holds experts ``[start, stop)`` only:
+    the other ranks' projections are not kept (the loader never reads them).
+    """
+    parent_name, _, leaf = prefix.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name)
+    except AttributeError:
+        return set()
+    old = getattr(parent, leaf, None)
+    if old is None:
+        return set()
+    if not isinstance(old, Experts):
+        raise FP8CheckpointError(f"{names[0][1]}.weight: stored quantized, but the model's {prefix} is a "
+                                 f"{type(old).__name__}, not routed experts")
+    if not isinstance(old, FP8Experts):
+        setattr(parent, leaf, FP8Experts(old, quant.block, quant.act_scale_pow2))
+    start, stop = old.expert_range
+    return {name + ".weight" for j, name in names if start <= j < stop}
 
 
 __all__ = [

@@ -147,14 +147,63 @@ class Experts(nn.Module):
     def is_shard(self) -> bool:
         return self.expert_range != (0, self.num_experts)
 
-    def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, num_valid: Tensor | None = None) -> Tensor:
+    def _refuse_eager_shard(self) -> None:
         if self.is_shard and not torch.compiler.is_compiling():
             start, stop = self.expert_range
             raise RuntimeError(
                 f"Experts hold experts [{start}, {stop}) of {self.num_experts} (expert parallel); run the model "
                 "through cpgraph.compile with CPConfig(ep=...), which sends rows to the ranks holding their experts"
             )
+
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, num_valid: Tensor | None = None) -> Tensor:
+        self._refuse_eager_shard()
         return _ops.moe_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, num_valid)
+
+
+class FP8Experts(Experts):
+    """Routed experts kept as the FP8 checkpoint stores them: e4m3 stacks plus fp32 block scales.
+
+    ``gate_up_proj`` e4m3 ``[E, 2I, H]`` with ``gate_up_proj_scale_inv``
+    ``[E, 2I / bo, ceil(H / bi)]`` (each expert's gate then up scale rows,
+    so ``I`` must be a multiple of ``bo``), ``down_proj`` e4m3 ``[E, H, I]``
+    with ``down_proj_scale_inv`` ``[E, ceil(H / bo), ceil(I / bi)]``;
+    ``(bo, bi)`` is the checkpoint's block.  Computed by the same
+    ``cpgraph::moe_experts`` op with the scales passed, so the compiler's MoE
+    and expert-parallel passes see one kind of node.  Built from a dense
+    :class:`Experts` by :func:`cpgraph.models.fp8.swap_fp8_linears`.
+    """
+
+    def __init__(self, like: Experts, block: tuple[int, int], act_scale_pow2: bool):
+        nn.Module.__init__(self)
+        n, two_i, h = like.gate_up_proj.shape
+        i = two_i // 2
+        bo, bi = block
+        if i % bo:
+            raise ValueError(f"FP8 experts need the intermediate size {i} to be a multiple of the block's {bo} rows")
+        self.num_experts = like.num_experts
+        self.expert_range = like.expert_range
+        self.block = (int(bo), int(bi))
+        self.act_scale_pow2 = bool(act_scale_pow2)
+        dev = like.gate_up_proj.device
+
+        def param(*shape, dtype):
+            return nn.Parameter(torch.ones(*shape, dtype=torch.float32, device=dev).to(dtype), requires_grad=False)
+
+        self.gate_up_proj = param(n, two_i, h, dtype=torch.float8_e4m3fn)
+        self.gate_up_proj_scale_inv = param(n, two_i // bo, -(-h // bi), dtype=torch.float32)
+        self.down_proj = param(n, h, i, dtype=torch.float8_e4m3fn)
+        self.down_proj_scale_inv = param(n, -(-h // bo), -(-i // bi), dtype=torch.float32)
+
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, num_valid: Tensor | None = None) -> Tensor:
+        self._refuse_eager_shard()
+        return _ops.moe_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, num_valid,
+                                self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block[0], self.block[1],
+                                self.act_scale_pow2)
+
+    def extra_repr(self) -> str:
+        start, stop = self.expert_range
+        pow2 = ", ue8m0 activation scales" if self.act_scale_pow2 else ""
+        return f"experts=[{start}, {stop}) of {self.num_experts}, e4m3, block={self.block[0]}x{self.block[1]}{pow2}"
 
 
 def shard_experts(model: nn.Module, experts: tuple[int, int]) -> nn.Module:
@@ -171,9 +220,13 @@ def shard_experts(model: nn.Module, experts: tuple[int, int]) -> nn.Module:
         if module.is_shard:
             raise ValueError(f"shard_experts: the model already holds experts {module.expert_range} only")
         start, stop = _check_range(experts, module.num_experts)
+        stacks = ["gate_up_proj", "down_proj"]
+        if isinstance(module, FP8Experts):
+            stacks += ["gate_up_proj_scale_inv", "down_proj_scale_inv"]
         with torch.no_grad():
-            module.gate_up_proj = nn.Parameter(module.gate_up_proj[start:stop].clone())
-            module.down_proj = nn.Parameter(module.down_proj[start:stop].clone())
+            for name in stacks:
+                old = getattr(module, name)
+                setattr(module, name, nn.Parameter(old[start:stop].clone(), requires_grad=old.requires_grad))
         module.expert_range = (start, stop)
     return model
 

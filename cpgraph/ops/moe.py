@@ -29,6 +29,20 @@ rows whatever the routing (one expert may receive every row), so nothing
 depends on data and the grouped provider is CUDA-graph capturable.  See
 :func:`dispatch_plan` for the layout.
 
+FP8 experts (block-quantized checkpoints kept in e4m3, ``weights="fp8"``):
+``gate_up`` / ``down`` are float8_e4m3fn with fp32 block scales
+``gate_up_scale [E, ceil(2I / bn), ceil(H / bk)]`` and ``down_scale [E,
+ceil(H / bn), ceil(I / bk)]`` (each expert's ``weight_scale_inv``, stacked;
+``I`` a multiple of ``bn`` so the gate and up halves never share a scale
+row).  Then each projection is ``cpgraph::fp8_block_linear``'s function:
+its input is quantised per row per ``bk`` values by the same recipe (the
+expert input ``x``, then the SwiGLU output ``silu(gate) * up`` computed in
+fp32 from the rounded ``gate`` / ``up``), the dequantised operands are
+multiplied in fp32, and ``gate`` / ``up`` and each expert's output are
+rounded to ``x``'s dtype before the fp32 weighted combine.  So FP8 and bf16
+experts differ by the activation quantisation only (docs/ops/fp8_linear.md
+gives the measured bound).
+
 Implementations:
 
 * reference (:func:`moe_experts_reference`): the dense form, exact in
@@ -48,6 +62,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_index_range, check_same_device, check_tensor
+from .codecs import FP8
+from .fp8_linear import ceil_div, dequantize_weight, quantize_activations
 from .providers import select
 
 _INDEX = (torch.int64, torch.int32)
@@ -55,20 +71,40 @@ _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----------------------------------------------------------------- checks
-def _check_moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid) -> None:
+def _check_moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale=None, down_scale=None,
+                       block_n=128, block_k=128) -> None:
     op = "moe_experts"
     check_tensor(op, "x", x, dtype=_FLOAT, ndim=2)
     m, h = x.shape
     check_tensor(op, "topk_ids", topk_ids, dtype=_INDEX, ndim=2, shape=(m, None))
     check_tensor(op, "topk_w", topk_w, dtype=torch.float32, shape=(m, topk_ids.shape[1]))
-    check_tensor(op, "gate_up", gate_up, dtype=x.dtype, ndim=3, shape=(None, None, h))
+    fp8 = gate_up_scale is not None or down_scale is not None
+    wdtype = FP8 if fp8 else x.dtype
+    check_tensor(op, "gate_up", gate_up, dtype=wdtype, ndim=3, shape=(None, None, h))
     e, two_i, _ = gate_up.shape
     if isinstance(two_i, int) and two_i % 2:
         raise ValueError(f"cpgraph.moe_experts: argument 'gate_up' must be [E, 2*I, H], got {tuple(gate_up.shape)}")
-    check_tensor(op, "down", down, dtype=x.dtype, shape=(e, h, two_i // 2))
+    i = two_i // 2
+    check_tensor(op, "down", down, dtype=wdtype, shape=(e, h, i))
+    if fp8:
+        if gate_up_scale is None or down_scale is None:
+            raise ValueError("cpgraph.moe_experts: FP8 experts need both 'gate_up_scale' and 'down_scale'")
+        for name, v in (("block_n", block_n), ("block_k", block_k)):
+            if isinstance(v, int) and (isinstance(v, bool) or v < 1):
+                raise ValueError(f"cpgraph.moe_experts: argument '{name}' must be a positive int, got {v!r}")
+        if isinstance(i, int) and isinstance(block_n, int) and i % block_n:
+            raise ValueError(
+                f"cpgraph.moe_experts: FP8 experts need the intermediate size {i} to be a multiple of "
+                f"block_n={block_n} (the stacked gate and up halves must not share a scale row)"
+            )
+        check_tensor(op, "gate_up_scale", gate_up_scale, dtype=torch.float32,
+                     shape=(e, ceil_div(two_i, block_n), ceil_div(h, block_k)))
+        check_tensor(op, "down_scale", down_scale, dtype=torch.float32,
+                     shape=(e, ceil_div(h, block_n), ceil_div(i, block_k)))
     if num_valid is not None:
         check_tensor(op, "num_valid", num_valid, dtype=_INDEX, shape=(1,))
-    check_same_device(op, x=x, topk_ids=topk_ids, topk_w=topk_w, gate_up=gate_up, down=down, num_valid=num_valid)
+    check_same_device(op, x=x, topk_ids=topk_ids, topk_w=topk_w, gate_up=gate_up, down=down, num_valid=num_valid,
+                      gate_up_scale=gate_up_scale, down_scale=down_scale)
 
 
 def _routed_slots(topk_ids: Tensor, num_valid: Optional[Tensor], num_experts: int) -> Tensor:
@@ -82,8 +118,15 @@ def _routed_slots(topk_ids: Tensor, num_valid: Optional[Tensor], num_experts: in
 
 
 # -------------------------------------------------------------- reference
-def moe_experts_reference(x, topk_ids, topk_w, gate_up, down, num_valid=None) -> Tensor:
-    """Dense form: every expert on every row, combined with a ``[M, E]`` weight matrix zero off the routes."""
+def moe_experts_reference(x, topk_ids, topk_w, gate_up, down, num_valid=None, gate_up_scale=None, down_scale=None,
+                          block_n=128, block_k=128, act_scale_pow2=False) -> Tensor:
+    """Dense form: every expert on every row, combined with a ``[M, E]`` weight matrix zero off the routes.
+
+    FP8 experts (scales given) take :func:`moe_experts_fp8_reference`.
+    """
+    if gate_up_scale is not None:
+        return moe_experts_fp8_reference(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale,
+                                         block_n, block_k, act_scale_pow2)
     e = gate_up.shape[0]
     routed = _routed_slots(topk_ids, num_valid, e)
     safe_ids = torch.where(routed, topk_ids, torch.zeros((), dtype=topk_ids.dtype, device=x.device)).long()
@@ -92,6 +135,41 @@ def moe_experts_reference(x, topk_ids, topk_w, gate_up, down, num_valid=None) ->
     gate, up = torch.einsum("mh,eoh->emo", x, gate_up).chunk(2, dim=-1)
     y = torch.einsum("emi,ehi->emh", F.silu(gate) * up, down)  # [E, M, H]
     return torch.einsum("emh,me->mh", y, combine.to(y.dtype))
+
+
+def _quantized(x: Tensor, block_k: int, pow2: bool) -> Tensor:
+    """``x [R, K]`` quantised per row per ``block_k`` by the FP8 recipe and dequantised, in fp32."""
+    q, scales = quantize_activations(x, block_k, pow2)
+    return q.to(torch.float32) * scales.repeat_interleave(block_k, dim=1)[:, : x.shape[1]]
+
+
+def moe_experts_fp8_reference(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale,
+                              block_n, block_k, act_scale_pow2) -> Tensor:
+    """Dense form of the FP8 experts: dequantised weights, quantised activations, fp32 products.
+
+    Rounding points as the module docstring states (``gate`` / ``up`` and
+    each expert's output in ``x``'s dtype, the combine in fp32), so the
+    grouped GPU provider differs only in the order of fp32 sums.
+    """
+    e, two_i, h = gate_up.shape
+    m = x.shape[0]
+    routed = _routed_slots(topk_ids, num_valid, e)
+    safe_ids = torch.where(routed, topk_ids, torch.zeros((), dtype=topk_ids.dtype, device=x.device)).long()
+    w = torch.where(routed, topk_w, torch.zeros((), dtype=topk_w.dtype, device=x.device))
+    combine = torch.zeros((m, e), dtype=torch.float32, device=x.device).scatter_add(1, safe_ids, w)
+    hit = torch.zeros((m, e), dtype=torch.float32, device=x.device).scatter_add(1, safe_ids, routed.float()) > 0
+    xq = _quantized(x, block_k, act_scale_pow2)  # [M, H]
+    out = torch.zeros((m, h), dtype=torch.float32, device=x.device)
+    for j in range(e):  # one expert at a time: the fp32 weights of all E experts need not coexist
+        wg = dequantize_weight(gate_up[j], gate_up_scale[j], block_n, block_k)
+        gate, up = (xq @ wg.t()).to(x.dtype).to(torch.float32).chunk(2, dim=-1)
+        act = _quantized(F.silu(gate) * up, block_k, act_scale_pow2)
+        wd = dequantize_weight(down[j], down_scale[j], block_n, block_k)
+        y = (act @ wd.t()).to(x.dtype).to(torch.float32)
+        # where, not a multiply: only the rows routed to expert j take its output (a non-finite row of
+        # x gives NaN in every expert's output, and must reach only its own row).
+        out += torch.where(hit[:, j : j + 1], y * combine[:, j : j + 1], torch.zeros((), device=x.device))
+    return out.to(x.dtype)
 
 
 # ------------------------------------------------------- grouped dispatch
@@ -190,6 +268,11 @@ def moe_experts(
     gate_up: Tensor,
     down: Tensor,
     num_valid: Optional[Tensor] = None,
+    gate_up_scale: Optional[Tensor] = None,
+    down_scale: Optional[Tensor] = None,
+    block_n: int = 128,
+    block_k: int = 128,
+    act_scale_pow2: bool = False,
 ) -> Tensor:
     """Routed-expert output ``[M, H]`` (dtype of ``x``), see the module docstring.
 
@@ -198,14 +281,21 @@ def moe_experts(
     ``gate_up [E, 2I, H]`` (gate rows first, then up), ``down [E, H, I]``,
     both in ``x``'s dtype (transformers' stacked layout); ``num_valid``
     int64 ``[1]`` or ``None``: rows ``>= num_valid`` give exact zero rows.
+    FP8 experts: ``gate_up`` / ``down`` in float8_e4m3fn with their block
+    scales ``gate_up_scale`` / ``down_scale`` (blocks ``block_n x block_k``)
+    and the activation recipe ``act_scale_pow2`` (module docstring).
     """
-    _check_moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid)
+    _check_moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale, block_n, block_k)
     check_index_range("moe_experts", "topk_ids", topk_ids, 0, gate_up.shape[0])
     impl = select("moe_experts", x.device.type, moe_experts_reference)
-    return impl(x, topk_ids, topk_w, gate_up, down, num_valid)
+    if gate_up_scale is None:
+        return impl(x, topk_ids, topk_w, gate_up, down, num_valid)
+    return impl(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale, block_n, block_k,
+                act_scale_pow2)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, topk_ids, topk_w, gate_up, down, num_valid=None):
-    _check_moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid)
+def _moe_experts_fake(x, topk_ids, topk_w, gate_up, down, num_valid=None, gate_up_scale=None, down_scale=None,
+                      block_n=128, block_k=128, act_scale_pow2=False):
+    _check_moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale, block_n, block_k)
     return x.new_empty(x.shape)

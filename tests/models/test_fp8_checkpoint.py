@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from cpgraph.models import from_pretrained, prefill_logits
 from cpgraph.models.config import DSAConfig, bundled_config_dict
 from cpgraph.models.fp8 import FP8CheckpointError, FP8Linear
+from cpgraph.models.moe import FP8Experts
 
 from hf_oracle import make_pair, prompts
 
@@ -192,9 +193,9 @@ def test_fp8_weights_stay_e4m3_and_track_the_dequantized_model(ds_checkpoint):
     for module in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj, attn.indexer.wq_b,
                    attn.indexer.wk, layer.mlp.shared_experts.gate_proj, fp8.model.layers[0].mlp.down_proj):
         assert isinstance(module, FP8Linear) and module.weight.dtype == FP8 and module.act_scale_pow2
-    # Read as matrices, so dequantized: kv_b_proj (absorbed W_UK / W_UV), routed experts, router, head weights.
+    # Read as matrices, so dequantized: kv_b_proj (absorbed W_UK / W_UV), router, head weights.
     assert type(attn.kv_b_proj) is torch.nn.Linear and attn.kv_b_proj.weight.dtype == torch.float32
-    assert layer.mlp.experts.gate_up_proj.dtype == torch.float32
+    assert isinstance(layer.mlp.experts, FP8Experts) and layer.mlp.experts.down_proj.dtype == FP8
     assert type(attn.indexer.weights_proj) is torch.nn.Linear and type(fp8.lm_head) is torch.nn.Linear
     # The e4m3 bytes and scales are the checkpoint's, bit for bit.
     from safetensors.torch import load_file
@@ -226,6 +227,65 @@ def test_fp8_model_logits_bound(tmp_path):
     ps = prompts(d["vocab_size"], [5, 9, 12, 16], seed=9)
     for a, b in zip(prefill_logits(fp8, ps), prefill_logits(dense, ps)):
         assert 0 < float((a - b).norm() / b.norm()) <= 0.2
+
+
+def test_fp8_experts_keep_the_checkpoint_bytes_and_track_the_dequantized_experts(ds_checkpoint):
+    """Routed experts stay e4m3: the stacks hold the per-expert bytes and scales, bit for bit."""
+    from safetensors.torch import load_file
+
+    root, _, d = ds_checkpoint
+    dense = from_pretrained(root, dtype=torch.float32)
+    fp8 = from_pretrained(root, dtype=torch.float32, weights="fp8")
+    raw = load_file(str(root / "model.safetensors"))
+    E, I = d["n_routed_experts"], d["moe_intermediate_size"]
+    for i in range(d["first_k_dense_replace"], d["num_hidden_layers"]):
+        ex = fp8.model.layers[i].mlp.experts
+        assert isinstance(ex, FP8Experts) and ex.block == (128, 128) and ex.act_scale_pow2
+        base = f"model.layers.{i}.mlp.experts"
+        for j in (0, E - 1):
+            for proj, stack, rows in (("gate_proj", "gate_up_proj", slice(0, I)), ("up_proj", "gate_up_proj", slice(I, 2 * I)),
+                                      ("down_proj", "down_proj", slice(None))):
+                w = raw[f"{base}.{j}.{proj}.weight"]
+                assert torch.equal(getattr(ex, stack)[j, rows].view(torch.uint8), w.view(torch.uint8))
+                s_rows = slice(rows.start // 128, rows.stop // 128) if rows.start is not None else slice(None)
+                assert torch.equal(getattr(ex, stack + "_scale_inv")[j, s_rows], raw[f"{base}.{j}.{proj}.weight_scale_inv"])
+    # The experts alone: the only difference from the dequantized ones is the activation quantisation.
+    layer = d["first_k_dense_replace"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, d["hidden_size"], generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[: d["num_experts_per_tok"]] for _ in range(40)])
+    w = torch.rand(ids.shape, generator=g)
+    got = fp8.model.layers[layer].mlp.experts(x, ids, w)
+    ref = dense.model.layers[layer].mlp.experts(x, ids, w)
+    assert 0 < float((got - ref).norm() / ref.norm()) <= 0.08  # e4m3 input + SwiGLU output, ue8m0: measured 0.047
+    ps = prompts(d["vocab_size"], [12, 37], seed=9)
+    assert torch.isfinite(prefill_logits(fp8, ps)).all()
+
+
+def test_fp8_experts_stay_dequantized_when_blocks_straddle_gate_and_up(tmp_path, caplog):
+    """moe_intermediate_size 72 (not a multiple of 128): one scale row would cover gate and up rows."""
+    d = ragged()
+    hf, _ = make_pair(d, seed=1)
+    write_fp8_checkpoint(tmp_path, d, per_expert(hf.state_dict()))
+    with caplog.at_level("WARNING", logger="cpgraph.models"):
+        model = from_pretrained(tmp_path, dtype=torch.float32, weights="fp8")
+    ex = model.model.layers[d["first_k_dense_replace"]].mlp.experts
+    assert not isinstance(ex, FP8Experts) and ex.gate_up_proj.dtype == torch.float32
+    assert isinstance(model.model.layers[0].self_attn.q_a_proj, FP8Linear)
+
+
+def test_expert_parallel_shard_keeps_fp8_experts(ds_checkpoint):
+    """An EP rank of an FP8 model holds its own experts' e4m3 stacks and scales (only those are read)."""
+    root, _, d = ds_checkpoint
+    whole = from_pretrained(root, dtype=torch.float32, weights="fp8")
+    shard = from_pretrained(root, dtype=torch.float32, weights="fp8", ep_rank=1, ep_size=2)
+    E = d["n_routed_experts"]
+    for i in range(d["first_k_dense_replace"], d["num_hidden_layers"]):
+        full, part = whole.model.layers[i].mlp.experts, shard.model.layers[i].mlp.experts
+        assert isinstance(part, FP8Experts) and part.expert_range == (E // 2, E)
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(part, name).view(torch.uint8), getattr(full, name)[E // 2 :].view(torch.uint8))
+            assert torch.equal(getattr(part, name + "_scale_inv"), getattr(full, name + "_scale_inv")[E // 2 :])
 
 
 def test_expert_parallel_shard_of_an_fp8_checkpoint(ds_checkpoint):

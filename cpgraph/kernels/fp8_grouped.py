@@ -1,0 +1,233 @@
+"""FP8 routed experts on the GPU: a Triton grouped GEMM with 128 x 128 block scales.
+
+Why: routed experts are about 97 % of DeepSeek-V3.2's weight bytes, so an
+FP8 checkpoint only halves the model if they stay in e4m3.  ``torch``'s
+grouped FP8 GEMM (``torch._scaled_grouped_mm``) takes one scale per row of
+each operand (rowwise), which cannot express the checkpoints' per-block
+weight scales nor the recipe's per-token-per-128 activation scales; this
+module computes ``cpgraph::moe_experts``' FP8 contract exactly (up to the
+order of fp32 sums) with three kernels and no host sync:
+
+1. :func:`~cpgraph.kernels.fp8_linear.quantize_activations` quantises the
+   ``M`` expert inputs once (not the ``M * top_k`` dispatched copies);
+2. :func:`grouped_gemm` -- ``gate_up``: each program finds its
+   ``(expert, row tile)`` from the device-side ``group_ends`` (a prefix sum
+   over the experts' tile counts, in registers), gathers its quantised input
+   rows through the dispatch order (no gathered copy), and runs one e4m3
+   tensor-core dot per ``block_k`` slice, scaled by both block scales in
+   fp32 before it joins the fp32 accumulator (as
+   ``cpgraph::fp8_block_linear``'s Triton GEMM);
+3. :func:`swiglu_quantize` -- ``silu(gate) * up`` in fp32 and its
+   per-row-per-``block_k`` quantisation in one pass, only for the routed rows;
+4. :func:`grouped_gemm` again for ``down``, then the weighted combine of
+   :mod:`.moe`.
+
+Static shapes: the grid covers the worst case (``ceil(C / BM) + E`` row
+tiles for ``C = M * top_k`` dispatched rows) and programs past the routed
+tiles exit at once, so the work follows the device-side ``num_valid`` and
+the whole op is CUDA-graph capturable.  A row's result depends only on its
+own inputs.  See docs/ops/fp8_linear.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from cpgraph.ops.fp8_linear import ceil_div
+from cpgraph.ops.moe import dispatch_plan, moe_experts_fp8_reference
+
+from ._bits import KIND_BF16, KIND_F16, KIND_F32, load_f32, store_f32_as
+from ._launch import interpreting
+from .fp8_linear import _k_step, quantize_activations, quantize_group, store_e4m3
+from .moe import combine
+
+log = logging.getLogger("cpgraph.kernels")
+_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
+_WARNED: set[str] = set()
+
+
+@triton.jit
+def _tile_of(group_ends, t, E, C, EP: tl.constexpr, BM: tl.constexpr):
+    """Row tile ``t`` of the grouped problem -> ``(expert, first row, row end, live)``, all from the device.
+
+    Expert ``e`` owns sorted rows ``[group_ends[e-1], group_ends[e])`` and
+    ``ceil(count / BM)`` tiles; tiles are numbered expert after expert.
+    """
+    ei = tl.arange(0, EP)
+    in_e = ei < E
+    ends = tl.minimum(tl.load(group_ends + ei, mask=in_e, other=0).to(tl.int32), C)
+    starts = tl.load(group_ends + ei - 1, mask=in_e & (ei > 0), other=0).to(tl.int32)
+    counts = tl.where(in_e, tl.maximum(ends - starts, 0), 0)
+    tiles = (counts + BM - 1) // BM
+    cum = tl.cumsum(tiles, 0)
+    live = t < tl.sum(tiles, 0)
+    e = tl.sum((cum <= t).to(tl.int32), 0)
+    sel = ei == e
+    first = tl.sum(tl.where(sel, starts, 0), 0) + (t - tl.sum(tl.where(sel, cum - tiles, 0), 0)) * BM
+    end = tl.sum(tl.where(sel, ends, 0), 0)
+    return e, first, end, live
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a, a_scale, a_rows, b, b_scale, group_ends, out,
+    N, K, E, C, stride_sam, stride_sak, stride_be, stride_bse, n_kb,
+    EP: tl.constexpr, GATHER: tl.constexpr, BLOCK_N_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, OUT_KIND: tl.constexpr, LOOP_WHILE: tl.constexpr, SB_SCALAR: tl.constexpr,
+):  # fmt: skip
+    """``out[rows of one expert's tile, BN columns]`` = that expert's block-scaled FP8 product."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, first, end, live = _tile_of(group_ends, t, E, C, EP, BM)
+    if live:
+        rm = first + tl.arange(0, BM)
+        ok_m = rm < end
+        rm64 = rm.to(tl.int64)
+        if GATHER:  # row of the quantised input feeding each sorted position
+            src = tl.load(a_rows + rm64, mask=ok_m, other=0).to(tl.int64)
+        else:
+            src = rm64
+        rn = pid_n * BN + tl.arange(0, BN)
+        ok_n = rn < N
+        rk = tl.arange(0, BK)
+        e64 = e.to(tl.int64)
+        a_ptrs = a + src[:, None] * K + rk[None, :]
+        b_ptrs = b + e64 * stride_be + rn.to(tl.int64)[:, None] * K + rk[None, :]
+        sa_ptrs = a_scale + src * stride_sam
+        if SB_SCALAR:
+            sb_ptrs = b_scale + e64 * stride_bse + ((pid_n * BN) // BLOCK_N_Q).to(tl.int64) * n_kb
+        else:
+            sb_ptrs = b_scale + e64 * stride_bse + (rn // BLOCK_N_Q).to(tl.int64) * n_kb
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if LOOP_WHILE:  # the interpreter cannot take a runtime bound in range()
+            k0 = 0
+            while k0 < K:
+                acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk,
+                              BK, SB_SCALAR)
+                k0 += BK
+        else:
+            for k0 in range(0, K, BK):
+                acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk,
+                              BK, SB_SCALAR)
+        store_f32_as(out + rm64[:, None] * N + rn[None, :], acc, ok_m[:, None] & ok_n[None, :], OUT_KIND)
+
+
+def _gemm_tiles(rows: int, experts: int) -> tuple[int, int, int, int]:
+    """``(BM, BN, num_warps, num_stages)``: 64 x 128 tiles, one warpgroup, 4 stages.
+
+    Measured on H200 at V3.2's gate/up shape (256 experts, 32K and 128K routed rows,
+    ``benchmarks/moe_bench.py --fp8 --tiles``): the fastest or within 3 % of it, 11-25 % faster
+    than 128 x 128 / 8 warps.  Small tiles waste less on each expert's partial last tile, and
+    several one-warpgroup CTAs per SM overlap one CTA's fp32 scaling with another's MMAs.
+    """
+    if interpreting():
+        return 32, 32, 4, 1
+    return 64, 128, 4, 4
+
+
+def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block_k: int, out_dtype, rows: int,
+                 *, tiles=None) -> Tensor:
+    """``out [rows, N]``: sorted row ``r`` of expert ``e`` = ``deq(a[a_rows[r]]) @ deq(b[e])^T``.
+
+    ``a`` e4m3 ``[R, K]`` with fp32 scales ``a_scale [R, ceil(K / block_k)]``
+    (any strides); ``a_rows`` int64 ``[rows]`` maps sorted rows to rows of
+    ``a`` (``None``: the identity); ``b`` e4m3 ``[E, N, K]`` with
+    ``b_scale [E, ceil(N / block_n), ceil(K / block_k)]``; ``group_ends``
+    int32 ``[E]`` cumulative rows per expert.  Rows past ``group_ends[-1]``
+    are left unwritten.  ``tiles`` overrides ``(BM, BN, warps, stages)``.
+    """
+    if block_k & (block_k - 1) or not 32 <= block_k <= 256:
+        raise ValueError(f"cpgraph.moe_experts: the FP8 grouped GEMM needs block_k a power of two in [32, 256], got {block_k}")
+    e, n, k = b.shape
+    out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
+    if rows == 0 or n == 0 or e == 0:
+        return out
+    bm, bn, warps, stages = tiles or _gemm_tiles(rows, e)
+    b = b.contiguous()
+    b_scale = b_scale.contiguous()
+    grid = (triton.cdiv(rows, bm) + e, triton.cdiv(n, bn))
+    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    _grouped_gemm_kernel[grid](
+        a.contiguous(), a_scale, a_rows if a_rows is not None else group_ends, b, b_scale, group_ends, dst,
+        n, k, e, rows, a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), b_scale.shape[2],
+        EP=max(16, triton.next_power_of_2(e)), GATHER=a_rows is not None, BLOCK_N_Q=block_n, BM=bm, BN=bn,
+        BK=block_k, OUT_KIND=_KINDS[out_dtype], LOOP_WHILE=interpreting(), SB_SCALAR=block_n % bn == 0,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------ SwiGLU + quant
+@triton.jit
+def _swiglu_quant_kernel(
+    h, group_ends, q, scales, C, I, E, stride_h,
+    GROUP: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, POW2: tl.constexpr, KIND: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):  # fmt: skip
+    """``silu(gate) * up`` of ``ROWS`` routed rows x one group, quantised like the op's reference."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    routed = tl.minimum(tl.load(group_ends + E - 1).to(tl.int32), C)
+    ok_r = rows < routed
+    cols = g * GROUP + tl.arange(0, GP)
+    ok = ok_r[:, None] & (cols[None, :] < I) & (tl.arange(0, GP)[None, :] < GROUP)
+    r64 = rows.to(tl.int64)
+    gate = load_f32(h + r64[:, None] * stride_h + cols[None, :], ok, KIND)
+    up = load_f32(h + r64[:, None] * stride_h + I + cols[None, :], ok, KIND)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    y, s = quantize_group(act, ok, POW2)
+    store_e4m3(q + r64[:, None] * I + cols[None, :], y, ok, HW_CAST)
+    tl.store(scales + r64 * tl.cdiv(I, GROUP) + g, s, mask=ok_r)
+
+
+def swiglu_quantize(h: Tensor, group_ends: Tensor, group: int, pow2: bool) -> tuple[Tensor, Tensor]:
+    """``h [C, 2I]`` (gate | up) -> ``(e4m3 [C, I], fp32 scales [C, ceil(I / group)])`` for the routed rows.
+
+    Rows past ``group_ends[-1]`` are left unwritten (they are never read).
+    """
+    c, two_i = h.shape
+    i = two_i // 2
+    groups = ceil_div(i, group)
+    q = torch.empty((c, i), dtype=torch.float8_e4m3fn, device=h.device)
+    scales = torch.empty((c, groups), dtype=torch.float32, device=h.device)
+    if c == 0 or i == 0 or group_ends.numel() == 0:
+        return q, scales
+    hw = not interpreting()
+    rows = 4 if interpreting() else max(1, min(16, 4096 // triton.next_power_of_2(group)))
+    src = h.view(torch.int16) if h.dtype == torch.bfloat16 else h
+    _swiglu_quant_kernel[(triton.cdiv(c, rows), groups)](
+        src, group_ends, q if hw else q.view(torch.uint8), scales, c, i, group_ends.numel(), h.stride(0),
+        GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=_KINDS[h.dtype],
+        HW_CAST=hw, num_warps=4,
+    )  # fmt: skip
+    return q, scales
+
+
+# ---------------------------------------------------------------- provider
+def moe_experts_fp8(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale, block_n: int,
+                    block_k: int, act_scale_pow2: bool) -> Tensor:
+    """FP8 routed experts: quantise, grouped gate/up GEMM, SwiGLU + quant, grouped down GEMM, combine."""
+    if block_k & (block_k - 1) or not 32 <= block_k <= 256:
+        if "block_k" not in _WARNED:
+            _WARNED.add("block_k")
+            log.warning("cpgraph::moe_experts: FP8 block_k=%d is not a power of two in [32, 256]; running the "
+                        "dense reference", block_k)
+        return moe_experts_fp8_reference(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale,
+                                         block_n, block_k, act_scale_pow2)
+    m, k = topk_ids.shape
+    e = gate_up.shape[0]
+    plan = dispatch_plan(topk_ids, num_valid, e)
+    xq, xs = quantize_activations(x, block_k, act_scale_pow2)
+    src = plan.order // k
+    h = grouped_gemm(xq, xs, src, gate_up, gate_up_scale, plan.group_ends, block_n, block_k, x.dtype, m * k)
+    aq, a_s = swiglu_quantize(h, plan.group_ends, block_k, act_scale_pow2)
+    y = grouped_gemm(aq, a_s, None, down, down_scale, plan.group_ends, block_n, block_k, x.dtype, m * k)
+    return combine(y, plan.slot_pos, topk_w, x.dtype)
+
+
+__all__ = ["grouped_gemm", "moe_experts_fp8", "swiglu_quantize"]
