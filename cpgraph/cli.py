@@ -177,25 +177,28 @@ def _top_ids(args, logits) -> list[list[int]]:
     return logits.topk(min(args.top, logits.shape[1]), dim=-1).indices.tolist()
 
 
-def _print_top(args, prompts: _Prompts, prefix, logits) -> list[list[int]]:
-    """Print each prompt's top last-token ids (decoded beside them when the prompts were text); returns them."""
+def _print_top(args, prompts: _Prompts, prefix, logits, draft=None) -> list[list[int]]:
+    """Print each prompt's top last-token ids (decoded beside them when the prompts were text); returns them.
+
+    ``draft``: ``(sampled, draft_logits)``; each prompt's MTP draft line then follows its target line.
+    """
     top = _top_ids(args, logits)
+    draft_top = _top_ids(args, draft[1]) if draft is not None else None
     for i, (p, ids) in enumerate(zip(prompts.ids, top)):
         words = prompts.decode_each(ids)
         shown = f" = {words}" if words is not None else ""
         cached = f" (prefix {prefix[i]})" if prefix is not None else ""
         print(f"{prompts.label(i)}: {len(p)} tokens{cached}: top ids {ids}{shown}")
+        if draft_top is not None:
+            _print_draft_line(prompts, i, int(draft[0][i]), draft_top[i])
     return top
 
 
-def _print_draft_top(args, prompts: _Prompts, sampled, draft_logits) -> list[list[int]]:
-    """Print each prompt's MTP draft top ids: its guess for the token after the target's sampled token."""
-    top = _top_ids(args, draft_logits)
-    for i, ids in enumerate(top):
-        words = prompts.decode_each(ids)
-        shown = f" = {words}" if words is not None else ""
-        print(f"{prompts.label(i)}: draft (MTP) after target token {int(sampled[i])}: top ids {ids}{shown}")
-    return top
+def _print_draft_line(prompts: _Prompts, i: int, sampled: int, ids: list[int]) -> None:
+    """One prompt's MTP draft top ids: its guess for the token after the target's sampled token."""
+    words = prompts.decode_each(ids)
+    shown = f" = {words}" if words is not None else ""
+    print(f"{prompts.label(i)}: draft (MTP) after target token {sampled}: top ids {ids}{shown}")
 
 
 def _text_payload(prompts: _Prompts, top) -> dict:
@@ -305,12 +308,13 @@ def _run_single(args, model, prompts: _Prompts, prefix, progress) -> int:
         kv_bytes = max(kv_bytes, res.kv_bytes)
     elapsed = time.perf_counter() - t0
     out = torch.cat(logits)
-    top = _print_top(args, prompts, prefix, out)
-    draft_extra = {}
+    draft_extra, draft = {}, None
     if args.draft:
         draft_out = torch.cat(draft_logits)
-        draft_top = _print_draft_top(args, prompts, sampled, draft_out)
-        draft_extra = {"draft_logits": draft_out.tolist(), "draft_top_ids": draft_top, "draft_after": sampled}
+        draft = (sampled, draft_out)
+        draft_extra = {"draft_logits": draft_out.tolist(), "draft_top_ids": _top_ids(args, draft_out),
+                       "draft_after": sampled}
+    top = _print_top(args, prompts, prefix, out, draft)
     tokens = sum(len(p) for p in ids)
     weight_bytes = weight_bytes_per_rank(model)
     print(
@@ -432,7 +436,7 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     heartbeat = 10.0 if sys.stderr.isatty() and not args.quiet else None
     res = run_cp(spec, progress=None if args.quiet else progress, heartbeat=heartbeat)
     out = res.logits
-    top = _print_top(args, prompts, prefix, out)
+    top = _print_top(args, prompts, prefix, out, (res.sampled, res.draft_logits) if args.draft else None)
     diff = (out - res.reference).abs().max().item()
     rel = diff / max(res.reference.abs().max().item(), 1e-30)
     same = torch.equal(out, res.reference)
@@ -440,10 +444,9 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     print(f"vs single-device eager: max |diff| {diff:.3e} (relative {rel:.3e}){' - bit-identical' if same else ''}")
     draft_extra = {}
     if args.draft:
-        draft_top = _print_draft_top(args, prompts, res.sampled, res.draft_logits)
         ddiff = (res.draft_logits - res.draft_reference).abs().max().item()
         print(f"draft vs single-device eager draft: max |diff| {ddiff:.3e}")
-        draft_extra = {"draft_logits": res.draft_logits.tolist(), "draft_top_ids": draft_top,
+        draft_extra = {"draft_logits": res.draft_logits.tolist(), "draft_top_ids": _top_ids(args, res.draft_logits),
                        "draft_after": [int(t) for t in res.sampled], "draft_max_abs_diff_vs_single_device": ddiff}
     for r, (b, n, w) in enumerate(zip(res.kv_bytes_per_rank, res.pages_per_rank, res.weight_bytes_per_rank)):
         print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(res.replicated_bytes, 1):.3f} of a replicated cache "

@@ -47,6 +47,7 @@ from .model import DecoderLayer, DSAForCausalLM
 from .layers import RotaryTable
 from .moe import expert_shard, local_expert_range, shard_experts
 from .mtp import checkpoint_name as draft_checkpoint_name
+from .mtp import draft_layer_config
 
 # Tensors kept in fp32 whatever the requested dtype (transformers does the same).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -588,7 +589,9 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
             cfg = DSAConfig.from_hf_dict(bundled_config_dict(str(path)))
             experts = _expert_range(cfg, ep_rank, ep_size)
             with expert_shard(experts):
-                check_memory(cfg, dt, device, memory_limit=memory_limit, what=f"bundled model {path!r}")
+                # The draft's decoder layer counted as one more layer (its norms and eh_proj are small).
+                check_memory(draft_layer_config(cfg) if draft else cfg, dt, device, memory_limit=memory_limit,
+                             what=f"bundled model {path!r}")
             # Drawn whole (same seed -> same weights as the unsharded model), then cut.
             model = tiny_model(str(path), dtype=dt, seed=seed, device=device, draft=draft)
             return model if experts is None else shard_experts(model, experts)
@@ -626,7 +629,8 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
         staged += fp8ckpt.dequantized_extra_bytes(plan, catalog, keep_fp8, dt, wanted)
         saved = fp8ckpt.fp8_saved_bytes(plan, catalog, fp8_modules, dt)
     with expert_shard(experts):
-        check_memory(cfg, dt, device, staged_bytes=staged, memory_limit=memory_limit, what=f"checkpoint {root}",
+        check_memory(draft_layer_config(cfg) if draft else cfg, dt, device, staged_bytes=staged,
+                     memory_limit=memory_limit, what=f"checkpoint {root}",
                      saved_bytes=saved)
         # FP8 modules replace dense ones: build on meta first so the dense weights are never allocated.
         model = build_model(cfg, dt, "meta" if fp8_modules else device, draft=draft)
