@@ -313,7 +313,13 @@ def _worker(rank, cp, eps, args, port, queue):
         torch.set_num_threads(1)
         dev = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=cp)
+    # Compile settings of the CP numerics tests (tests/cp_model.py): float constants stay constants
+    # (no Dynamo restart per graph) and no duck sizing (no pool-size specializations).
+    from torch.fx.experimental import _config as fx_config
+
     torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.specialize_float = True
+    fx_config.use_duck_shape = False
     try:
         for ep in eps:
             _run_config(rank, cp, ep, args, dev, queue)

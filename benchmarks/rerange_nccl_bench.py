@@ -25,7 +25,7 @@ Ratios (time / all-gather time) are what the target is about (<= 1.05x at 128K, 
 Small token counts show where the P2P op's ``min_bytes`` threshold (``RERANGE_P2P_MIN_BYTES``)
 should sit.  Rows go to ``--out`` (JSON) after every token count.
 
-    python benchmarks/rerange_nccl_bench.py [--tokens 2048 8192 32768 131072] [--repeat 20]
+    python benchmarks/rerange_nccl_bench.py [--tokens 512 2048 8192 32768 131072] [--repeat 20]
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _worker(rank: int, world: int, tokens_list: list[int], repeat: int, out_path
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192, 32768, 131072])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "rerange_nccl_bench.json"))
     args = ap.parse_args()

@@ -141,3 +141,55 @@ def test_p2p_op_bad_min_bytes():
     with fake_group(world_size=2, rank=0) as gn:
         with pytest.raises(ValueError, match="min_bytes"):
             torch.ops.cpgraph.cp_rerange_p2p(torch.zeros(4, 2), torch.zeros(3, dtype=torch.int64), gn, 2, -1)
+
+
+# ------------------------------------------------------------ the op inside a compiled CP model
+def job_compiled_model_p2p_rerange(ctx):
+    """Tiny model, extend-only batch returning all hidden states: cp=2 with the P2P rerange forced in
+    (gloo stands in for NCCL, ``min_bytes=0``) equals the one-device compile, bit for bit (fp32)."""
+    import torch.distributed as dist
+
+    from cpgraph.models import DSAConfig, build_batch, build_model, init_random
+    from cpgraph.models.config import bundled_config_dict
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.passes import compile as cp_compile
+    from cpgraph.runtime.engine import pool_config
+    from cpgraph.runtime.kv_pool import KVPool
+
+    torch._dynamo.config.specialize_float = True
+    torch._dynamo.config.recompile_limit = 64
+    page = 16
+    model = init_random(build_model(DSAConfig.from_hf_dict(bundled_config_dict("tiny-deepseek-v32"))), seed=0,
+                        std=0.1).eval()
+    model.kv_layout = make_layout(model, "bf16", page)
+    cfg = model.config
+    extend = [37, 5, 64]
+    toks = [[(7 * i + 3 * j) % cfg.vocab_size for j in range(n)] for i, n in enumerate(extend)]
+
+    def hidden(cp: int, rank: int, compiled):
+        plan = plan_prefill([0] * len(extend), extend, cp_size=cp, page_size=page)
+        owners = [plan.page_owners(i) for i in range(len(extend))]
+        pool = KVPool(pool_config(model, "bf16", page, sum(o.count(rank) for o in owners), rank))
+        tables = [pool.alloc_pages_with_owners(o) for o in owners]
+        mla = [pool.mla_pool(i) for i in range(cfg.num_hidden_layers)]
+        index = [pool.index_pool(i) for i in cfg.indexer_layers]
+        ids, meta = build_batch(plan, toks, tables, torch.device("cpu"), rank=rank)
+        with torch.no_grad():
+            return compiled(ids, meta, mla, index, return_hidden=True).hidden
+
+    one = hidden(1, 0, cp_compile(model, CPConfig(), backend="aot_eager", dynamic=True))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lower_collectives, "rerange_form", lambda device_type, backend: "p2p")
+        mp.setattr(lower_collectives, "RERANGE_P2P_MIN_BYTES", 0)
+        compiled = cp_compile(model, CPConfig(group=ctx.group_name, cp_size=2), backend="aot_eager", dynamic=True)
+        got = hidden(2, ctx.rank, compiled)
+    lowered = [after for name, _, after in compiled.cpgraph_passes.history if name == "lower_cp_collectives"][-1]
+    assert lowered.get("cpgraph.cp_rerange_p2p", 0) == 1 and lowered.get("cpgraph.cp_rerange", 0) == 0, lowered
+    assert dist.get_world_size() == 2
+    assert got.shape == one.shape and torch.equal(got, one), float((got - one).abs().max())
+    return True
+
+
+@pytest.mark.slow
+def test_compiled_model_uses_and_matches_the_p2p_rerange():
+    assert shared_pool(2, 900.0).run(job_compiled_model_p2p_rerange) == [True, True]
