@@ -260,16 +260,24 @@ def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logit
         t.free("qq.f32")
         t.alloc("w_q", 4 * R * hi)
         t.free("qq.amax")
-        t.alloc("k_scale", 4 * N)
-        t.alloc("logits", 4 * R * N)  # indexer_logits_fp8: every row at once
-        t.alloc("topk", 4 * R * topk)  # topk_ragged (no candidate scratch: SELECT_COMPACT is off by default)
-        t.free("iq.h", "ik.h", "ik.bytes", "k_view", "q_bytes", "w_q", "k_scale", "logits", "w")
+        t.alloc("k_scale", 4 * N)  # k_scale[:, 0].contiguous()
+        _chunked_topk(t, R, N, topk, max_logits_bytes)  # indexer_topk's FP8 form: e4m3 operands, same chunks
+        t.free("iq.h", "ik.h", "ik.bytes", "k_view", "q_bytes", "w_q", "k_scale", "w")
         return
     _compose(t, "k_view", R, N, di * a)
-    t.alloc("topk", 4 * R * topk)  # indexer_topk's output ...
+    _chunked_topk(t, R, N, topk, max_logits_bytes)
+    t.free("iq", "ik", "w", "k_view")
+
+
+def _chunked_topk(t: _Tape, R: int, N: int, topk: int, max_logits_bytes: int) -> None:
+    """``indexer_topk``'s provider: its output, and one fp32 score chunk (scored, selected, next chunk).
+
+    No candidate scratch: the select kernel's ``SELECT_COMPACT`` is off by default.
+    """
+    t.alloc("topk", 4 * R * topk)
     chunk = min(R, max(1, max_logits_bytes // (4 * max(N, 1))))
-    t.alloc("scores", 4 * chunk * N)  # ... and its fp32 score chunk (scored, selected, next chunk)
-    t.free("scores", "iq", "ik", "w", "k_view")
+    t.alloc("scores", 4 * chunk * N)
+    t.free("scores")
 
 
 def _attention_layer(cfg, R: int, N: int, a: int, kv_format: str, index_format: str, max_logits_bytes: int,
@@ -401,8 +409,8 @@ def activation_phases(cfg: "DSAConfig", rows: int, keys: int, *, dtype: str = "b
     what earlier phases left live (the layer's normed input, the previous
     layer's top-k, the attention output and residual sums).  The replay
     follows cpgraph's eager GPU forward with the CUDA default providers
-    (Triton indexer scores/top-k and sparse MLA, grouped-GEMM MoE, torch
-    Hadamard and FP8 query quantisation); ``docs/launch.md`` lists what
+    (Triton indexer scores/top-k -- chunked in both index-K formats -- and
+    sparse MLA, grouped-GEMM MoE, torch Hadamard and FP8 query quantisation); ``docs/launch.md`` lists what
     each phase holds and ``benchmarks/memory_check.py`` measures it.
 
     * ``attention``: MLA queries and the KV view, then the indexer up to its top-k;
