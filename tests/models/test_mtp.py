@@ -154,3 +154,51 @@ def test_draft_missing_from_checkpoint_is_one_clear_error(model, tmp_path):
         from_pretrained(undeclared, draft=True)
     with pytest.raises(ValueError, match="no MTP draft layer"):
         ref.build(draft=False).draft_module()
+
+
+def _quantize_e4m3(w: torch.Tensor, block: int):
+    """Block-scaled e4m3 as the FP8 releases store it: ``scale_inv = amax / 448`` per block."""
+    out, inn = w.shape
+    grid = (-(-out // block), -(-inn // block))
+    scale = torch.empty(grid)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    deq = torch.empty(w.shape)
+    for r in range(grid[0]):
+        for c in range(grid[1]):
+            sl = (slice(r * block, (r + 1) * block), slice(c * block, (c + 1) * block))
+            s = w[sl].abs().max().clamp_min(1e-12) / 448
+            scale[r, c] = s
+            q[sl] = (w[sl] / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+            deq[sl] = (q[sl].double() * s.double()).float()
+    return q, scale, deq
+
+
+def test_draft_loads_dequantized_from_an_fp8_checkpoint(model, tmp_path):
+    """The draft's block-quantized weights (``weight_scale_inv`` siblings) load dequantized, like the target's."""
+    from cpgraph.models import from_pretrained
+
+    N = ref.CONFIG["num_hidden_layers"]
+    skip = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "weights_proj", "shared_head.head")
+    tensors, want = {}, {}
+    for k, v in ref.checkpoint_state(model).items():
+        if k.endswith(".weight") and v.dim() == 2 and not any(s in k for s in skip):
+            q, s, deq = _quantize_e4m3(v, 16)
+            tensors[k], tensors[k[: -len("weight")] + "weight_scale_inv"] = q, s
+            want[k] = deq
+        else:
+            tensors[k] = v
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    ckpt = _write_checkpoint(tmp_path / "fp8", tensors, dict(ref.CONFIG, quantization_config=quant))
+    loaded = from_pretrained(ckpt, draft=True)
+    prefix = f"model.layers.{N}."
+    checked = 0
+    for k, deq in want.items():
+        if k.startswith(prefix):
+            rest = k[len(prefix):]
+            top = rest.split(".", 1)[0] in ("enorm", "hnorm", "eh_proj", "shared_head")
+            name = ("mtp." if top else "mtp.block.") + rest
+            if ".experts." in name:
+                continue  # stacked in the model; their dequantisation is the target's code path
+            torch.testing.assert_close(loaded.state_dict()[name], deq, rtol=0, atol=0)
+            checked += 1
+    assert checked >= 5  # eh_proj and the attention projections at least
