@@ -39,6 +39,7 @@ logic and the compile count are testable on CPU, only the capture is not.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -101,7 +102,7 @@ class CaptureStats:
     bucket: Bucket
     warmup_s: float  # first call on the bucket's shapes (compiles a compiled forward)
     capture_s: float  # the capture itself (0 when not captured)
-    pool_bytes: int  # growth of the CUDA memory reserved by the capture (shared pool: later graphs reuse it)
+    pool_bytes: int  # growth of reserved CUDA memory across the capture: the shared pool's new segments
     replays: int = 0
 
 
@@ -235,6 +236,10 @@ class GraphRunner:
                 self.forward(static.ids, static.meta)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
+        # torch.cuda.graph empties the allocator's cache on entry; do it first so that the growth of
+        # reserved memory measured across the capture is the graph pool's new segments alone.
+        gc.collect()
+        torch.cuda.empty_cache()
         t1 = time.perf_counter()
         before = torch.cuda.memory_reserved(device)
         if self._pool is None:
