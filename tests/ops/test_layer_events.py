@@ -40,27 +40,19 @@ def test_bad_arguments():
         ops.kv_layer_ready([1, 2], 0)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_every_layer_fires_in_order_during_a_forward(backend):
-    torch._dynamo.reset()
-    model = tiny_model("tiny-glm5")
-    model.kv_layout = make_layout(model, "bf16", 16)
-    fn = model if backend == "eager" else compile(model, CPConfig(), backend=backend)
-    events = []
-    with layer_hooks(on_ready=lambda i, p: events.append(("ready", i)),
-                     on_written=lambda i, p: events.append(("written", i, float(p[:64].abs().sum())))):
-        run_prefill(lambda *a, **k: fn(*a, **k), model, [list(range(5, 30))], page_size=16)
-    n = model.config.num_hidden_layers
-    assert [e[:2] for e in events] == [(kind, i) for i in range(n) for kind in ("ready", "written")]
-    # The pool the hook sees already holds the layer's rows (slots 0..24 of page 0 here).
-    assert all(e[2] > 0 for e in events if e[0] == "written")
-    torch._dynamo.reset()
+_RUNS: dict = {}
 
 
-@pytest.mark.parametrize("backend,in_place", [("eager", True), ("inductor", True), ("aot_eager", False)])
-def test_which_backends_write_the_real_pool_before_the_hook(backend, in_place, monkeypatch):
-    """Eager and Inductor (reinplaced stores) write the runtime's own buffer by kv_layer_written;
-    aot_eager hands the hook a functional copy and writes the buffer back when the graph ends."""
+def _run_with_hooks(backend):
+    """One prefill of tiny-glm5 per backend (one compile), recording what every hook saw.
+
+    Each ``kv_layer_written`` records the layer, whether the pool it got is
+    the runtime's own buffer (``engine.pool_tensors``) and whether that
+    buffer already holds the layer's rows; ``kv_layer_ready`` records the
+    layer.  Both tests read the same run.
+    """
+    if backend in _RUNS:
+        return _RUNS[backend]
     from cpgraph.runtime import engine
 
     torch._dynamo.reset()
@@ -74,14 +66,36 @@ def test_which_backends_write_the_real_pool_before_the_hook(backend, in_place, m
         real["mla"] = original(pool, m)[0]
         return original(pool, m)
 
-    monkeypatch.setattr(engine, "pool_tensors", spy)
-    seen = []
-    record = lambda i, p: seen.append(  # noqa: E731
-        (p.data_ptr() == real["mla"][i].data_ptr(), bool(real["mla"][i][:25].abs().sum() > 0))
-    )
+    events = []
+
+    def written(i, p):
+        buf = real["mla"][i]
+        events.append(("written", i, float(p[:64].abs().sum()), p.data_ptr() == buf.data_ptr(),
+                       bool(buf[:25].abs().sum() > 0)))
+
     # torch config modules patch themselves (pytest's monkeypatch would hide the option on undo).
-    with torch._inductor.config.patch(fx_graph_cache=False), layer_hooks(on_written=record):
+    with pytest.MonkeyPatch.context() as mp, torch._inductor.config.patch(fx_graph_cache=False), \
+            layer_hooks(on_ready=lambda i, p: events.append(("ready", i)), on_written=written):
+        mp.setattr(engine, "pool_tensors", spy)
         run_prefill(lambda *a, **k: fn(*a, **k), model, [list(range(5, 30))], page_size=16)
-    assert len(seen) == model.config.num_hidden_layers
-    assert all(same == in_place and written == in_place for same, written in seen)
     torch._dynamo.reset()
+    _RUNS[backend] = model.config.num_hidden_layers, events
+    return _RUNS[backend]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_every_layer_fires_in_order_during_a_forward(backend):
+    n, events = _run_with_hooks(backend)
+    assert [e[:2] for e in events] == [(kind, i) for i in range(n) for kind in ("ready", "written")]
+    # The pool the hook sees already holds the layer's rows (slots 0..24 of page 0 here).
+    assert all(e[2] > 0 for e in events if e[0] == "written")
+
+
+@pytest.mark.parametrize("backend,in_place", [("eager", True), ("inductor", True), ("aot_eager", False)])
+def test_which_backends_write_the_real_pool_before_the_hook(backend, in_place):
+    """Eager and Inductor (reinplaced stores) write the runtime's own buffer by kv_layer_written;
+    aot_eager hands the hook a functional copy and writes the buffer back when the graph ends."""
+    n, events = _run_with_hooks(backend)
+    seen = [e[3:] for e in events if e[0] == "written"]
+    assert len(seen) == n
+    assert all(same == in_place and written == in_place for same, written in seen)
