@@ -12,7 +12,12 @@ What sets the shapes of the forward's inputs (see ``BatchMeta``):
 * ``M`` compute rows (``input_ids``, ``positions``, ``ks``, ``ke``,
   ``row_slots``): rounded up by the **planner** with ``row_align`` (static
   padding, ``row_kind == 2``, docs/contracts.md), so dummy rows keep their
-  provenance.  :meth:`GraphRunner.plan` picks the bucket and plans with it;
+  provenance.  :meth:`GraphRunner.plan` picks the bucket and plans with it.
+  On one device (``cp_size == 1``) the runner may also append the same dummy
+  rows itself (token 0, position 0, empty window ``ks == ke == 0``, slot
+  ``-1``): at ``cp_size == 1`` no gathered coordinate depends on ``M``, so
+  that equals the planner's static padding.  Under CP the gathered
+  coordinates (``rank * M + row``) move with ``M``: plan with the bucket;
 * ``N`` rows of the full KV view (``kv_source``) and ``P`` cached-prefix
   rows (``prefix_slots``): each padded here to its own KV bucket with ``-1``
   (a ``-1`` slot reads a zero record; a ``-1`` source row is zero and lies
@@ -124,7 +129,10 @@ class _Static:
         })  # fmt: skip
 
     def load(self, ids: Tensor, meta) -> None:
-        self.ids.copy_(ids)
+        m = ids.shape[0]
+        if m < self.ids.shape[0]:
+            self.ids[m:].zero_()
+        self.ids[:m].copy_(ids)
         p, shift = meta.prefix_slots.shape[0], self.meta.prefix_slots.shape[0] - meta.prefix_slots.shape[0]
         for f in fields(meta):
             src, dst = getattr(meta, f.name), getattr(self.meta, f.name)
@@ -187,7 +195,9 @@ class GraphRunner:
     def bucket_for(self, ids: Tensor, meta) -> Bucket:
         m = ids.shape[0]
         if m not in self.row_buckets:
-            raise ValueError(f"graph_runner: the batch has {m} rows, not a row bucket; plan it with GraphRunner.plan")
+            if self.cp_size != 1:
+                raise ValueError(f"graph_runner: the batch has {m} rows, not a row bucket; plan it with GraphRunner.plan")
+            m = pick_bucket(self.row_buckets, m, "compute rows")  # one device: dummy rows appended on load
         b = meta.last_token_index.shape[0]
         if b > self.max_requests:
             raise ValueError(f"graph_runner: {b} requests exceed max_requests={self.max_requests}")
@@ -260,3 +270,31 @@ class GraphRunner:
                  "requests": s.bucket.requests,
                  "warmup_s": s.warmup_s, "capture_s": s.capture_s, "pool_mib": s.pool_bytes / 2**20,
                  "replays": s.replays, "captured": s.bucket in self._graphs} for s in self.stats.values()]  # fmt: skip
+
+
+def graphed_forward(model_forward: Callable, *, max_requests: int, **runner_kw) -> Callable:
+    """A drop-in ``forward(input_ids, meta, mla_pools, index_pools)`` (one device) that replays CUDA graphs.
+
+    For callers that take a forward function (``run_prefill``, ``CacheEngine``): a
+    :class:`GraphRunner` per set of KV pool tensors (a captured graph binds
+    their addresses, so a new pool gets its own graphs), rows padded to the
+    bucket on load.  Returns a ``ForwardOutput`` holding the logits only;
+    ``return_topk`` / the MTP draft are not captured and raise.
+    """
+    from cpgraph.models.model import ForwardOutput
+
+    runners: dict[tuple, GraphRunner] = {}
+
+    def forward(input_ids, meta, mla_pools, index_pools, **kw):
+        if any(kw.values()):
+            raise ValueError(f"graphed_forward: {sorted(k for k, v in kw.items() if v)} not supported (logits only)")
+        key = tuple(t.data_ptr() for t in (*mla_pools, *index_pools))
+        runner = runners.get(key)
+        if runner is None:
+            mla, index = list(mla_pools), list(index_pools)
+            runner = runners[key] = GraphRunner(lambda i, m: model_forward(i, m, mla, index).logits,
+                                                max_requests=max_requests, cp_size=1, **runner_kw)  # fmt: skip
+        return ForwardOutput(runner(input_ids, meta), None, None)
+
+    forward.runners = runners
+    return forward

@@ -107,8 +107,10 @@ def test_bad_batches_are_refused():
     model, pool, mla, index = _setup()
     runner = GraphRunner(lambda i, m: model(i, m, mla, index).logits, max_requests=2, row_buckets=(16, 32))
     ids, meta, _ = _batch(runner, pool, [[1] * 5], 0, "cpu", plan=plan_prefill([0], [5], cp_size=1, page_size=PAGE))
+    assert runner.bucket_for(ids, meta).rows == 16  # one device: rows padded on load
+    cp2 = GraphRunner(lambda i, m: None, max_requests=2, row_buckets=(16, 32), cp_size=2)
     with pytest.raises(ValueError, match="not a row bucket"):
-        runner(ids, meta)
+        cp2.bucket_for(ids, meta)
     ids, meta, _ = _batch(runner, pool, [[1] * 3] * 3, 0, "cpu")
     with pytest.raises(ValueError, match="exceed max_requests=2"):
         runner(ids, meta)
@@ -163,3 +165,21 @@ def test_cuda_capture_replays_without_recapture():
     report = runner.capture_report()
     assert all(r["captured"] for r in report)
     assert len(report) == len(runner.stats) <= 3 and sum(r["replays"] for r in report) == 2 * len(BATCHES)
+
+
+@torch.no_grad()
+def test_graphed_forward_drops_into_run_prefill():
+    from cpgraph.runtime.engine import run_prefill
+    from cpgraph.runtime.graph_runner import graphed_forward
+
+    model = tiny_model("tiny-deepseek-v32").eval()
+    fwd = graphed_forward(model, max_requests=4, row_buckets=(16, 32, 64))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (20, 7, 33)]
+    want = run_prefill(model, model, prompts, prefix_lens=[16, 0, 32], page_size=PAGE).logits
+    got = run_prefill(fwd, model, prompts, prefix_lens=[16, 0, 32], page_size=PAGE).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (runner,) = fwd.runners.values()  # one pool, two passes (prefix, extend): two buckets
+    assert len(runner.stats) == 2
+    with pytest.raises(ValueError, match="return_topk"):
+        fwd(None, None, [], [], return_topk=True)
