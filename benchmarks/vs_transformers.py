@@ -13,18 +13,23 @@ of the timed forward, new tokens/s, peak GPU memory (weights included), and for 
 the speed ratio and last-token logit agreement (max |diff|, top-1 agreement).  The forward's
 useful FLOPs (sparse attention over the selected keys, indexer over the causal window, routed
 experts only, see :func:`forward_flops`) are set against a dense bf16 GEMM measured in the same
-run.  The cpgraph side reports eager and ``cpgraph.compile`` (Inductor, CP size 1) and takes the
-better of the two.
+run.  The cpgraph side reports eager, ``cpgraph.compile`` (Inductor, CP size 1), and both replayed
+from CUDA graphs by ``cpgraph.runtime.graph_runner.GraphRunner`` (``graphed``, ``compiled-graphed``;
+docs/cuda_graphs.md), and takes the fastest.
 
 Reading the agreement: with random weights the indexer's scores are nearly tied, so once a
 query's window is longer than ``index_topk`` (2048) bf16 rounding alone changes which keys are
 selected and the logits move by O(1) on both sides of any correct implementation; the exact
 fp32 top-k comparison is the CPU oracle test.  Where every window fits in the top-k (``1x2K``,
-``8x1K``) the two sides should agree to bf16 noise.
+``8x1K``) the two sides should agree to bf16 noise.  transformers' RoPE ``inv_freq`` buffers are
+kept in fp32 (a plain ``.to(bf16)`` of the reference model rounds them to bf16, 0.28 % off, which
+moved single requests' logits by up to 1.3-2.3 through MoE routing flips: the old 8x1K gap).
+``--diagnose CASE`` dissects a case's agreement (per request, per provider, fp32 on both sides).
 
 Needs only torch, triton and transformers (>= 5.13: ``DeepseekV32ForCausalLM``)::
 
-    python benchmarks/vs_transformers.py [--cases 1x2K,8x1K] [--modes eager,compiled] [--json out.json]
+    python benchmarks/vs_transformers.py [--cases 1x2K,8x1K] [--modes eager,graphed] [--profile 1x8K]
+        [--diagnose 8x1K] [--json out.json]       # --device cpu: a dry run at tiny shapes
 """
 
 from __future__ import annotations
