@@ -8,13 +8,25 @@ the ``aot_eager`` path sees (both backends rewrite the same graph), and
 Inductor's own pattern passes and fusion then run on the CP graph; ``backend="aot_eager"`` runs the same
 passes on the same functionalised AOT graph and then executes it eagerly,
 which is what tests use when Inductor's code generation is not under test.
+
+Every call of the compiled callable traces under two Dynamo settings
+(``trace_settings``): floats specialized and duck sizing off.  The model's
+floats (norm eps, softmax and index scales) are constants; traced as
+``dynamic=True``'s symbolic floats one of them cannot stay symbolic and
+Dynamo restarts, tracing every graph twice for the same code.  Duck sizing
+gives dims of equal size one symbol, so a pool whose row count happens to
+equal a record width gets a graph specialized to it and recompiles on the
+next batch.  Both are applied per call (not process-wide): the caller's own
+``torch.compile`` settings stay as they were.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Any, Sequence
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor import config as inductor_config
 
@@ -46,6 +58,35 @@ def aot_eager_with_passes(manager: CPPassManager):
     return aot_autograd(fw_compiler=fw_compiler)
 
 
+def trace_settings() -> contextlib.ExitStack:
+    """The Dynamo settings every cpgraph compile traces under (see the module docstring)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    stack.enter_context(fx_config.patch(use_duck_shape=False))
+    return stack
+
+
+class CompiledForward:
+    """What :func:`compile` returns: calls the ``torch.compile``-d model under :func:`trace_settings`.
+
+    Attributes other than ``cpgraph_passes`` come from the ``torch.compile``
+    result (an ``OptimizedModule`` for a module), so it reads like one.
+    """
+
+    def __init__(self, compiled, manager: CPPassManager):
+        self._compiled = compiled
+        self.cpgraph_passes = manager
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        with trace_settings():
+            return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name == "_compiled":  # not set yet (e.g. during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self._compiled, name)
+
+
 def compile(
     model,
     cp: CPConfig | None = None,
@@ -60,8 +101,9 @@ def compile(
 
     ``cp`` selects the CP group and pass options (default: single device).
     ``mode="reduce-overhead"`` captures CUDA graphs (Inductor only).  The
-    returned callable has a ``cpgraph_passes`` attribute: the pass manager,
-    whose ``history`` holds op counts before and after each pass.
+    returned :class:`CompiledForward` traces under :func:`trace_settings` and
+    has a ``cpgraph_passes`` attribute: the pass manager, whose ``history``
+    holds op counts before and after each pass.
     """
     if backend == "inductor":
         manager = build_pass_manager(cp, passes, absorbed=inductor_config.post_grad_custom_pre_pass)
@@ -78,8 +120,4 @@ def compile(
         compiled = torch.compile(model, backend=aot_eager_with_passes(manager), dynamic=dynamic, fullgraph=fullgraph)
     else:
         raise ValueError(f"cpgraph.compile: backend must be 'inductor' or 'aot_eager', got {backend!r}")
-    try:
-        compiled.cpgraph_passes = manager
-    except AttributeError:  # some callables refuse attributes; the manager is still reachable via options
-        pass
-    return compiled
+    return CompiledForward(compiled, manager)
