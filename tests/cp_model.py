@@ -50,7 +50,10 @@ def use_numerics_compile_settings() -> None:
     """Process-wide compile settings for a rank process of tests that compare numerics, not compiles.
 
     Call it in a spawned rank (it changes global torch config), before the
-    first call of a ``dynamic=True`` compiled model.
+    first call of a ``dynamic=True`` compiled model.  ``cpgraph.compile``
+    now traces with floats specialized and duck sizing off by itself (per
+    call); setting them here too also covers models compiled with plain
+    ``torch.compile`` in the same rank.
     """
     import torch.fx.experimental._config
 
