@@ -183,3 +183,30 @@ def test_graphed_forward_drops_into_run_prefill():
     assert len(runner.stats) == 2
     with pytest.raises(ValueError, match="return_topk"):
         fwd(None, None, [], [], return_topk=True)
+
+
+@torch.no_grad()
+def test_graphed_forward_in_the_cache_engine():
+    """Two passes over one persistent pool (radix hits on the second): one runner, a bucket per batch shape."""
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.runtime.cache_engine import CacheEngine, default_capacity, run_twice
+    from cpgraph.runtime.graph_runner import graphed_forward
+
+    model = tiny_model("tiny-deepseek-v32").eval()
+    layout = make_layout(model, "bf16", PAGE)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (40, 21, 35)]
+
+    def eager(ids, meta, mla, index, **kw):
+        return model(ids, meta, mla, index, layout, **kw)
+
+    outs = {}
+    graphed = graphed_forward(eager, max_requests=4, row_buckets=(16, 32, 64, 128))
+    for name, fwd in (("eager", eager), ("graphed", graphed)):
+        engine = CacheEngine(fwd, model, num_pages=default_capacity(prompts, PAGE), kv_format="bf16", page_size=PAGE)
+        outs[name] = run_twice(engine, prompts)
+    for key in ("first", "second"):
+        torch.testing.assert_close(outs["graphed"][key], outs["eager"][key], rtol=1e-5, atol=1e-5)
+    assert outs["graphed"]["hits"] == outs["eager"]["hits"] and outs["graphed"]["hits"][1]["device"] > 0
+    (runner,) = graphed.runners.values()  # one persistent pool: one runner, the two passes' shapes
+    assert len(runner.stats) == 2 and all(s.replays == 1 for s in runner.stats.values())
