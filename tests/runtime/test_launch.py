@@ -3,6 +3,10 @@
 The slow tests start real ``torchrun`` jobs (gloo on the CPU, ``aot_eager``)
 and compare every prompt's logits with a single-device run of the same batch
 the group computed.  Everything binds to 127.0.0.1 and runs under a timeout.
+Their model is a local checkpoint of tiny-glm5 cut to two layers (a dense
+layer with its indexer, a MoE layer sharing its top-k): every rank compiles
+it, and compile time grows with the layers; the bundled-name path is what
+the CLI error tests use.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import pytest
 import torch
 
 from cpgraph.cli import main
-from cpgraph.models import prefill_logits, tiny_model
+from cpgraph.models import DSAConfig, build_model, from_pretrained, init_random, prefill_logits
+from cpgraph.models.config import bundled_config_dict
 from cpgraph.runtime import launch
 from cpgraph.runtime.inputs import InputError, builtin_prompts
 
@@ -194,23 +199,37 @@ def _run_jobs(cmds: list[list[str]], cwd) -> list[subprocess.CompletedProcess]:
     return out
 
 
-def _reference(tokens: list[list[int]]) -> torch.Tensor:
-    return prefill_logits(tiny_model("tiny-glm5"), tokens)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """tiny-glm5 with two layers (dense + indexer, MoE + shared top-k) as a local checkpoint directory."""
+    from safetensors.torch import save_file
+
+    config = dict(bundled_config_dict("tiny-glm5"), num_hidden_layers=2)
+    model = init_random(build_model(DSAConfig.from_hf_dict(config)), seed=0, std=config["initializer_range"])
+    assert model.config.mlp_layer_types == ("dense", "sparse") and model.config.indexer_types == ("full", "shared")
+    root = tmp_path_factory.mktemp("two_layer_glm5")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
 
 
-def _launch_args(*extra: str) -> list[str]:
-    return ["-m", "cpgraph", "launch", "--model", "tiny-glm5", "--device", "cpu", "--backend", "aot_eager",
+def _reference(checkpoint: str, tokens: list[list[int]]) -> torch.Tensor:
+    return prefill_logits(from_pretrained(checkpoint), tokens)
+
+
+def _launch_args(checkpoint: str, *extra: str) -> list[str]:
+    return ["-m", "cpgraph", "launch", "--model", checkpoint, "--device", "cpu", "--backend", "aot_eager",
             "--timeout", "300", *extra]
 
 
 @pytest.mark.slow
-def test_torchrun_two_cp_groups_run_their_own_batches(tmp_path):
+def test_torchrun_two_cp_groups_run_their_own_batches(tmp_path, checkpoint):
     """4 ranks on one node, --cp 2: two data-parallel CP groups, each equal to one device on its own batch."""
     prompts = builtin_prompts(512)[:3] + [list(range(5, 60))]
     (tmp_path / "p.json").write_text(json.dumps(prompts))
     out = tmp_path / "out.json"
     cmd = _torchrun(_free_port(), "--nproc-per-node", "4") + _launch_args(
-        "--cp", "2", "--prompts-file", "p.json", "--json", str(out))
+        checkpoint, "--cp", "2", "--prompts-file", "p.json", "--json", str(out))
     (res,) = _run_jobs([cmd], tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -223,7 +242,7 @@ def test_torchrun_two_cp_groups_run_their_own_batches(tmp_path):
     logits = torch.tensor(data["logits"])
     for g in groups:
         idx = g["prompt_indices"]
-        ref = _reference([prompts[i] for i in idx])
+        ref = _reference(checkpoint, [prompts[i] for i in idx])
         torch.testing.assert_close(logits[idx], ref, rtol=0, atol=1e-5)
         assert sum(g["kv_bytes_per_rank"]) == g["replicated_bytes"]  # owner-sharded: each page stored once
     assert "world 4 = 2 data-parallel group(s) x CP 2 (EP 1) on cpu (aot_eager)" in res.stdout
@@ -231,31 +250,31 @@ def test_torchrun_two_cp_groups_run_their_own_batches(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_form_one_cp_group(tmp_path):
+def test_two_nodes_on_loopback_form_one_cp_group(tmp_path, checkpoint):
     """Two torchrun invocations (--nnodes 2, one rank each) meet at a c10d rendezvous on 127.0.0.1."""
     port = _free_port()
     out = tmp_path / "out.json"
     cmds = [_torchrun(port, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
                       "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}")
-            + _launch_args("--cp", "2", "--json", str(out)) for n in (0, 1)]
+            + _launch_args(checkpoint, "--cp", "2", "--json", str(out)) for n in (0, 1)]
     results = _run_jobs(cmds, tmp_path)
     for r in results:
         assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads(out.read_text())
     assert (data["world_size"], data["dp"], data["cp"]) == (2, 1, 2)
     assert data["groups"][0]["ranks_agree"]
-    torch.testing.assert_close(torch.tensor(data["logits"]), _reference(data["tokens"]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(data["logits"]), _reference(checkpoint, data["tokens"]), rtol=0, atol=1e-5)
     printed = [r for r in results if "world 2 = 1 data-parallel group(s)" in r.stdout]
     assert len(printed) == 1  # exactly one process (global rank 0) prints the results
 
 
 @pytest.mark.slow
-def test_bad_input_on_one_group_stops_every_rank_with_one_line(tmp_path):
+def test_bad_input_on_one_group_stops_every_rank_with_one_line(tmp_path, checkpoint):
     """Group 1's prompts file is broken: no rank waits for it in a collective; each node prints one line."""
     (tmp_path / "b0.json").write_text(json.dumps([[1, 2, 3]]))
     (tmp_path / "b1.json").write_text(json.dumps([[1, 999999]]))
     cmd = _torchrun(_free_port(), "--nproc-per-node", "2") + _launch_args(
-        "--cp", "1", "--prompts-file", "b{group}.json")
+        checkpoint, "--cp", "1", "--prompts-file", "b{group}.json")
     (res,) = _run_jobs([cmd], tmp_path)
     assert res.returncode != 0
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("cpgraph launch: error:")]
