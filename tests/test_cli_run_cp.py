@@ -1,4 +1,9 @@
-"""``cpgraph run --cp 2``: spawns gloo ranks, writes the same JSON as a single-device run, reports progress."""
+"""``cpgraph run --cp 2``: spawns gloo ranks, writes the same JSON as a single-device run, reports progress.
+
+The CP run's model is a local checkpoint of tiny-glm5 cut to two layers (a
+dense layer with its indexer, a MoE layer sharing its top-k): each rank
+compiles it, and compile time grows with the layers.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +14,38 @@ import pytest
 import torch
 
 from cpgraph.cli import main
-from cpgraph.models import prefill_logits, tiny_model
+from cpgraph.models import DSAConfig, build_model, from_pretrained, init_random, prefill_logits
+from cpgraph.models.config import bundled_config_dict
 from cpgraph.runtime import cp_run
 from cpgraph.runtime.inputs import InputError
+
+
+def _two_layer_checkpoint(root) -> str:
+    """tiny-glm5 with two layers (dense + indexer, MoE + shared top-k) as a local checkpoint directory."""
+    from safetensors.torch import save_file
+
+    config = dict(bundled_config_dict("tiny-glm5"), num_hidden_layers=2)
+    model = init_random(build_model(DSAConfig.from_hf_dict(config)), seed=0, std=config["initializer_range"])
+    assert model.config.mlp_layer_types == ("dense", "sparse") and model.config.indexer_types == ("full", "shared")
+    root.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
 
 
 @pytest.mark.slow
 def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     out = tmp_path / "cp.json"
-    rc = main(["run", "--model", "tiny-glm5", "--prefix-lens", "64,0,0,16", "--cp", "2", "--backend", "aot_eager",
+    ckpt = _two_layer_checkpoint(tmp_path / "ckpt")
+    rc = main(["run", "--model", ckpt, "--prefix-lens", "64,0,0,16", "--cp", "2", "--backend", "aot_eager",
                "--json", str(out)])
     assert rc == 0
     captured = capsys.readouterr()
     text = captured.out
     assert "bit-identical" in text and "every rank holds the same logits: True" in text
     assert "rank 1: KV" in text and "of a replicated cache" in text
-    weights = sum(t.numel() * t.element_size() for t in [*tiny_model("tiny-glm5").parameters(),
-                                                         *tiny_model("tiny-glm5").buffers()])
+    model = from_pretrained(ckpt)
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert f"; weights {weights} bytes" in text  # no expert parallelism: each rank holds the whole model
     assert text.count("op providers on cpu") == 1 and "  reference: " in text
     assert "283 tokens computed" in text
@@ -36,7 +56,7 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
         "rank 0: single-device eager reference")
     data = json.loads(out.read_text())
     assert {"logits", "tokens", "top_ids", "kv_format", "prefix_lens"} <= data.keys()  # same keys as one device
-    ref = prefill_logits(tiny_model("tiny-glm5"), data["tokens"], prefix_lens=data["prefix_lens"])
+    ref = prefill_logits(model, data["tokens"], prefix_lens=data["prefix_lens"])
     assert torch.equal(torch.tensor(data["logits"]), ref)
     assert sum(data["kv_bytes_per_rank"]) == data["replicated_kv_bytes"]
     assert data["computed_tokens"] == 283 and data["cached_tokens"] == 0
