@@ -1,8 +1,9 @@
 """The top-k tie rule under CP: 2 gloo ranks equal one device on a tie-heavy model.
 
-A 2-indexer-head GLM-5 config (IndexCache layers included) ties exactly at
-the top-k boundary on many rows, so any rank- or chunk-dependent tie-break
-would change the logits by tens of percent.  Each of the suite's shared CP
+A 2-indexer-head GLM-5 config (two layers: a full indexer, then an
+IndexCache layer reusing its top-k) ties exactly at the top-k boundary on
+many rows, so any rank- or chunk-dependent tie-break would change the logits
+by tens of percent.  Each of the suite's shared CP
 ranks compiles the model once with the CP passes (``aot_eager``: the graph's
 ops run eagerly, so the comparison with the single-device run is bit-exact);
 rank 0 also runs the eager model and transformers with its indexer top-k
@@ -31,14 +32,16 @@ LENS, PREFIX = [50, 37, 23], [16, 0, 0]
 
 
 def job_tie_batch(ctx, _):
-    from hf_oracle import TopkCapture, cached_pair, prompts
+    from hf_oracle import TopkCapture, config_variants, make_pair, prompts
 
     from cpgraph.models.prefill import make_layout
     from cpgraph.passes import CPConfig, compile
     from cpgraph.runtime.engine import run_prefill
 
     torch._inductor.config.fx_graph_cache = False
-    hf, model = cached_pair("glm-tie2")
+    # Two layers: a full indexer (whose ties decide the top-k) and an IndexCache layer reusing it.
+    hf, model = make_pair(dict(config_variants()["glm-tie2"], num_hidden_layers=2))
+    assert model.config.indexer_types == ("full", "shared")
     model.kv_layout = make_layout(model, "bf16", PAGE)
     cp = compile(model, CPConfig(group=ctx.group_name, cp_size=ctx.world_size), backend="aot_eager", dynamic=True)
     ps = prompts(model.config.vocab_size, LENS, seed=11)
