@@ -71,6 +71,10 @@ def use_numerics_compile_settings() -> None:
     torch.fx.experimental._config.use_duck_shape = False
     # The CP and one-device wrappers share the forward's code object and its recompile budget.
     torch._dynamo.config.recompile_limit = 64
+    # Inductor on the CPU: scalar C++ kernels.  The CP tests check the graph Inductor lowers (the CP
+    # ops and the fusion around them), not the CPU vector code; the C++ compiler takes about 40%
+    # less time on scalar kernels (production Inductor on GPUs emits Triton, neither of these).
+    torch._inductor.config.cpp.vec_isa_ok = False
 
 
 def compiled(backend: str, group: str | None = None, cp_size: int = 1):
