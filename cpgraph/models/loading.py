@@ -572,7 +572,7 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     ``weights`` (FP8 block-quantized checkpoints, :mod:`.fp8`):
     ``"dequantize"`` (the default) gives ``dtype`` weights; ``"fp8"`` keeps
     the e4m3 weights and block scales in :class:`~.fp8.FP8Linear` modules
-    (``kv_b_proj`` and routed experts stay dequantized).  ``"fp8"`` on a
+    (``kv_b_proj`` stays dequantized; routed experts become ``FP8Experts``).  ``"fp8"`` on a
     checkpoint without FP8 weights raises.
     ``draft=True`` also loads the MTP draft layer (``model.layers.{N}.*``,
     docs/mtp.md); a checkpoint without one raises.  Bundled models get a
@@ -627,7 +627,8 @@ def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_lim
     saved = 0
     if plan is not None:
         staged += fp8ckpt.dequantized_extra_bytes(plan, catalog, keep_fp8, dt, wanted)
-        saved = fp8ckpt.fp8_saved_bytes(plan, catalog, fp8_modules, dt)
+        # Only the tensors this rank reads save bytes (an EP rank reads its own experts).
+        saved = fp8ckpt.fp8_saved_bytes(plan, catalog, [m for m in fp8_modules if wanted(m + ".weight")], dt)
     with expert_shard(experts):
         check_memory(draft_layer_config(cfg) if draft else cfg, dt, device, staged_bytes=staged,
                      memory_limit=memory_limit, what=f"checkpoint {root}",

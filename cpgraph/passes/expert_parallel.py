@@ -41,7 +41,10 @@ from .config import CPConfig
 from .fx_utils import find_nodes, insert_call, is_op
 from .graph_facts import PassMatchError, tensor_val
 
-_ARGS = ("x", "topk_ids", "topk_w", "gate_up", "down", "num_valid")
+_ARGS = ("x", "topk_ids", "topk_w", "gate_up", "down", "num_valid",
+         "gate_up_scale", "down_scale", "block_n", "block_k", "act_scale_pow2")
+# The FP8 routed experts' block scales and recipe (``FP8Experts``) travel with the re-inserted call.
+_FP8_ARGS = _ARGS[6:]
 # Ops that carry expert ids through unchanged (dtype casts, views) between the router's top-k and the experts.
 _PASS_THROUGH = ("prims.convert_element_type", "aten._to_copy", "aten.view", "aten.reshape", "aten.clone",
                  "aten.alias")
@@ -118,8 +121,9 @@ def dispatch_moe_experts(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
             rx, rids, nrecv, order, slot = (_getitem(graph, sent, i) for i in range(5))
             ones = insert_call(graph, torch.ops.aten.full.default, ([_size(graph, rids, 0), 1], 1.0),
                                {"dtype": torch.float32, "device": x_val.device, "pin_memory": False})
+            fp8 = {k: a[k] for k in _FP8_ARGS if k in a}
             ry = insert_call(graph, torch.ops.cpgraph.moe_experts.default,
-                             (rx, rids, ones, a["gate_up"], a["down"], nrecv))
+                             (rx, rids, ones, a["gate_up"], a["down"], nrecv), fp8)
             y = insert_call(graph, torch.ops.cpgraph.moe_combine.default,
                             (ry, order, slot, a["topk_w"], cfg.group_name, cfg.ep))
         node.replace_all_uses_with(y)

@@ -426,3 +426,38 @@ def test_fp8_model_compiles_as_one_graph(ds_checkpoint):
         got = compiled(*_inputs(model, model.kv_layout, [21, 6]))
         ref = model(*_inputs(model, model.kv_layout, [21, 6]))
     assert torch.equal(got.logits, ref.logits)
+
+
+@pytest.mark.slow
+def test_expert_parallel_pass_keeps_the_fp8_experts_scales(ds_checkpoint):
+    """The EP pass re-inserts ``moe_experts`` behind the dispatch with the FP8 stacks' block scales and recipe."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dist_utils import fake_group
+
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.passes import CPConfig, compile
+    from cpgraph.passes.fx_utils import find_nodes
+    from cpgraph.passes.pipeline import default_passes
+    from cpgraph.runtime.engine import run_prefill
+
+    root, _, d = ds_checkpoint
+    torch._dynamo.reset()
+    shard = from_pretrained(root, dtype=torch.float32, weights="fp8", ep_rank=0, ep_size=2)
+    shard.kv_layout = make_layout(shard, "bf16", 16)
+    calls = []
+
+    def capture(gm, cfg):
+        calls.extend(dict(n.kwargs) for n in find_nodes(gm.graph, "cpgraph.moe_experts"))
+        return gm
+
+    with fake_group(world_size=2, rank=0) as gn:
+        fn = compile(shard, CPConfig(group=gn, cp_size=2, ep=2), backend="aot_eager",
+                     passes=default_passes() + [("capture", capture)])
+        run_prefill(lambda *a, **k: fn(*a, **k), shard, [list(range(3, 30))], page_size=16, rank=0, cp_size=2)
+    moe_layers = d["num_hidden_layers"] - d["first_k_dense_replace"]
+    assert len(calls) == moe_layers
+    for kw in calls:
+        assert {"gate_up_scale", "down_scale", "block_n", "block_k"} <= set(kw), kw
