@@ -138,6 +138,12 @@ def _check_run_flags(args: argparse.Namespace) -> None:
         raise InputError("give prompts with --prompt or with --prompts-file, not both")
     if args.draft and args.cache:
         raise InputError("--draft is not supported with --cache (run it without --cache)")
+    if args.cuda_graphs:
+        if not args.cache or args.cp is not None or args.device != "cuda":
+            raise InputError("--cuda-graphs applies to single-device --cache runs with --device cuda "
+                             "(one KV pool across both passes; docs/cuda_graphs.md)")
+        if args.evict:
+            raise InputError("--cuda-graphs does not take --evict (HiCache load-back waits on the host between passes)")
     if args.cp is None:
         if args.backend is not None:
             raise InputError("--backend applies to CP runs (the single-device run is eager); add --cp N")
@@ -385,6 +391,10 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
     def forward(ids, meta, mla, index, **kw):
         return model(ids, meta, mla, index, layout, **kw)
 
+    if args.cuda_graphs:
+        from cpgraph.runtime.graph_runner import graphed_forward
+
+        forward = graphed_forward(forward, max_requests=len(prompts.ids))
     pages = default_capacity(prompts.ids, DEFAULT_PAGE_SIZE)
     engine = CacheEngine(forward, model, num_pages=pages, kv_format=args.kv_format, page_size=DEFAULT_PAGE_SIZE,
                          host_pages=pages if args.evict else 0, **_cache_kwargs(args))
@@ -483,7 +493,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     spec = LaunchSpec(model=str(args.model), prompts_file=args.prompts_file, prefix_lens=args.prefix_lens, cp=args.cp,
                       ep=args.ep, device=args.device, backend=args.backend, kv_format=args.kv_format, dtype=args.dtype,
-                      page_size=DEFAULT_PAGE_SIZE, timeout=args.timeout, repeat=args.repeat, json_out=args.json)
+                      weights=args.weights, page_size=DEFAULT_PAGE_SIZE, timeout=args.timeout, repeat=args.repeat,
+                      json_out=args.json)
     try:
         with user_input():
             if args.top < 1:
@@ -507,15 +518,15 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             runs += f", last run {g.seconds[-1]:.3f} s ({tokens / max(g.seconds[-1], 1e-9):.0f} tok/s)"
         print(f"group {g.group}: ranks {g.ranks}, prompts {g.prompt_indices}, {tokens} tokens: {runs}; "
               f"ranks agree: {g.ranks_agree}")
-        for r, b, n in zip(g.ranks, g.kv_bytes_per_rank, g.pages_per_rank):
+        for r, b, n, w in zip(g.ranks, g.kv_bytes_per_rank, g.pages_per_rank, g.weight_bytes_per_rank):
             print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(g.replicated_bytes, 1):.3f} of a "
-                  f"replicated cache ({g.replicated_bytes} bytes)")
+                  f"replicated cache ({g.replicated_bytes} bytes); weights {w} bytes")
     if args.json:
         import dataclasses
 
         payload = _run_payload(args, launched, res.prefix_lens, res.logits, top, world_size=lay.world_size,
                                cp=lay.cp, ep=lay.ep, dp=lay.dp, device=res.device, backend=res.backend,
-                               groups=[dataclasses.asdict(g) for g in res.groups])
+                               weights=res.weights, groups=[dataclasses.asdict(g) for g in res.groups])
         _write_json(args.json, payload, _progress(args, "launch"))
     if not all(g.ranks_agree for g in res.groups):
         print("error: the ranks of a CP group returned different logits", file=sys.stderr)
@@ -655,6 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--write-policy", choices=("write_through", "write_back"), default=None,
                    help="with --cache --evict: back up new cache nodes at insert (write_through, the default) or "
                         "at eviction (write_back)")
+    r.add_argument("--cuda-graphs", action="store_true",
+                   help="with --cache --device cuda: replay the forward from CUDA graphs, one per row bucket "
+                        "(docs/cuda_graphs.md)")
     r.add_argument("--draft", action="store_true",
                    help="also run the MTP draft layer (model.layers.{num_hidden_layers}; bundled models: a random one) "
                         "on the target's hidden states and print its top tokens beside the target's: the draft "
@@ -698,6 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
     ln.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="model dtype (default: the checkpoint config's; float32 for bundled models)")
+    ln.add_argument("--weights", choices=("dequantize", "fp8"), default=None,
+                    help="FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections with "
+                         "their block scales (fp8; on cpu the FP8 matmul is the slow torch reference)")
     ln.add_argument("--repeat", type=int, default=1,
                     help="prefill runs; the first compiles, the last is the timed one (default 1)")
     ln.add_argument("--timeout", type=float, default=600.0,

@@ -46,6 +46,7 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--evict": "cpgraph run --model tiny-glm5 --cache --evict",
         "--cache-layout": "cpgraph run --model tiny-glm5 --cache --evict --cache-layout page_first",
         "--write-policy": "cpgraph run --model tiny-glm5 --cache --evict --write-policy write_back",
+        "--cuda-graphs": "cpgraph run --model tiny-glm5 --device cuda --cache --cuda-graphs",
         "--draft": "cpgraph run --model ./DeepSeek-V3.2 --device cuda --dtype bfloat16 --draft",
     },
     "memory": {
@@ -72,6 +73,7 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--backend": "cpgraph launch --model tiny-glm5 --backend aot_eager",
         "--kv-format": "cpgraph launch --model tiny-deepseek-v32-fp8 --kv-format fp8",
         "--dtype": "cpgraph launch --model tiny-glm5 --dtype bfloat16",
+        "--weights": "cpgraph launch --model ./DeepSeek-V3.2 --cp 8 --ep 8 --dtype bfloat16 --weights fp8",
         "--repeat": "cpgraph launch --model tiny-glm5 --repeat 3",
         "--timeout": "cpgraph launch --model tiny-glm5 --timeout 1800",
         "--top": "cpgraph launch --model tiny-glm5 --top 3",
