@@ -27,7 +27,15 @@ Hits are reported per level: ``device`` (L1), ``host`` (loaded from L2) and
 With a ``draft`` forward (the MTP layer, docs/mtp.md) the pool holds one more
 logical layer (id ``num_hidden_layers``) in the same pages: a cached page
 carries the draft's records too, HiCache backs it up and loads it back as one
-more payload, and every call runs the draft after the target.
+more payload, and every call runs the draft after the target.  The draft's
+record at a page's last row depends on the token after the page, so the tree
+is built with ``draft_records``: each node keeps the token that followed it
+(the prompt's next token, or the draft's sampled token where the prompt ends
+on a page boundary) and a match stops one page before a node end whose
+token differs from the new prompt's.  That page is recomputed into this
+request's own extend pages (the cached page is shared and stays intact), so
+the draft's records and logits are a cold run's.  Without a draft nothing is
+checked and matches are as long as before.
 """
 
 from __future__ import annotations
@@ -96,7 +104,7 @@ class CacheEngine:
         self.pool = KVPool(pool_config(model, kv_format, page_size, num_pages, rank, draft=draft is not None))
         self.pools = pool_tensors(self.pool, model)
         self.device = DevicePages(self.pool, cp_size)
-        self.tree = RadixCache(page_size, rank, cp_size)
+        self.tree = RadixCache(page_size, rank, cp_size, draft_records=draft is not None)
         self.hicache = None
         if host_pages:
             host = HostPool(self.pool, host_pages, cp_size, host_layout)
@@ -210,11 +218,17 @@ class CacheEngine:
             draft_out = ran[2] if self.draft is not None else None
             allocated = []  # from here on the pages belong to the insert/free step
             new_nodes = []
-            for r, p, table, own in zip(reqs, prefix, tables, owners):
+            # The token after each request's last whole page as its pages were computed: the prompt's, or
+            # (with a draft, prompt ending on a page boundary) the sampled token the draft was given.
+            sampled = None
+            if self.draft is not None and any(len(r.tokens) % ps == 0 for r in reqs):
+                sampled = ran[3].tolist()  # host copy after the forward, needed by the host-side tree
+            for i, (r, p, table, own) in enumerate(zip(reqs, prefix, tables, owners)):
                 full = len(r.tokens) // ps
                 m = p // ps
+                after = r.tokens[full * ps] if len(r.tokens) > full * ps else (sampled[i] if sampled else -1)
                 res = self.tree.insert(r.key[: full * ps], table[:full], own[:full], matched_pages=m,
-                                       drop_host=self._release_host)
+                                       drop_host=self._release_host, next_token=int(after))
                 drop = np.flatnonzero(~res.adopted)
                 drop = np.concatenate([drop, np.arange(full, table.shape[0])])  # + the partial last page
                 if drop.size:

@@ -14,6 +14,15 @@ ranks.  Only a node's *physical* pages differ per rank (``-1`` where another
 rank owns the page).  ``CPGRAPH_DEBUG=1`` lets :func:`check_consistent`
 compare a fingerprint of the rank-independent state in one collective.
 
+Why a continuation token per node (``next_token``): with an MTP draft layer
+in the pool (docs/mtp.md) the draft's record at row ``i`` depends on token
+``i + 1``, so a node's last row encodes the token that followed the node
+when it was computed.  Inside a node that token is the node's own next key
+token; at the node's end it is ``next_token``.  A tree built with
+``draft_records=True`` accepts a matched path only up to the first node end
+whose ``next_token`` differs from the request's token there, minus that
+page (recomputed for this request); without a draft nothing is checked.
+
 Why views: a 64K-token hit walks a long path; copying the key tail at every
 node makes matching quadratic.  :class:`TokenKey` slices in O(1) over one
 shared backing buffer; a node keeps a compact ``bytes`` copy of its own key
@@ -206,7 +215,7 @@ class LaneLedger:
 
 class RadixNode:
     __slots__ = ("key", "children", "parent", "meta", "device_pages", "host_pages", "host_payloads", "lock_ref",
-                 "last_access", "node_id")
+                 "last_access", "node_id", "next_token")
 
     def __init__(self, key: bytes, meta: CPNodeMeta | None, parent, node_id: int):
         self.key = key
@@ -219,6 +228,8 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.node_id = node_id
+        # Token after the node's last row when its pages were computed (-1: unknown, never matches).
+        self.next_token = -1
 
     @property
     def num_pages(self) -> int:
@@ -311,7 +322,7 @@ class RadixCache:
     L2-only, False when it should be removed.
     """
 
-    def __init__(self, page_size: int, rank: int = 0, cp_size: int = 1):
+    def __init__(self, page_size: int, rank: int = 0, cp_size: int = 1, draft_records: bool = False):
         for name, v in (("page_size", page_size), ("rank", rank), ("cp_size", cp_size)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise ValueError(f"RadixCache: {name} must be an int, got {v!r}")
@@ -322,6 +333,8 @@ class RadixCache:
         if not 0 <= rank < cp_size:
             raise ValueError(f"RadixCache: rank must be in [0, {cp_size}), got {rank}")
         self.page_size, self.rank, self.cp_size = int(page_size), int(rank), int(cp_size)
+        # Pages carry MTP draft records whose last row depends on the next token (module docstring).
+        self.draft_records = bool(draft_records)
         self._page_bytes = self.page_size * _TB
         self._clock = 0
         self._next_id = 1
@@ -348,6 +361,8 @@ class RadixCache:
         head = self._new_node(node.key[:cut], head_meta, node.parent)
         head.lock_ref, head.last_access = node.lock_ref, node.last_access
         head.host_payloads = node.host_payloads
+        # The head's last row was computed with the tail's first token after it (one request, one key).
+        head.next_token = int(np.frombuffer(node.key, dtype=_TOKEN, count=1, offset=cut)[0])
         if node.device_pages is not None:
             head.device_pages, node.device_pages = node.device_pages[:num_pages], node.device_pages[num_pages:]
         if node.host_pages is not None:
@@ -400,9 +415,36 @@ class RadixCache:
         return path, (off - key.start * _TB) // pb
 
     # ----------------------------------------------------------------- public
+    def _draft_exact_pages(self, key: TokenKey, path: list) -> int | None:
+        """Pages of ``path`` whose draft records are a cold run's for ``key``; ``None`` when all are.
+
+        Only node ends need checking: inside a node the next token is part of
+        the node's key, which matched.  At the first node end whose
+        ``next_token`` differs from ``key``'s token there, the last page
+        before it is given up (its last row must be recomputed).
+        """
+        ps, end = self.page_size, 0
+        tokens = key.tokens()
+        for node in path:
+            end += node.num_pages
+            at = end * ps
+            if at >= len(tokens) or node.next_token != int(tokens[at]):
+                return end - 1
+        return None
+
     def match_prefix(self, key: TokenKey, max_pages: int | None = None) -> MatchResult:
-        """Longest cached page-aligned prefix of ``key`` (at most ``max_pages`` pages)."""
+        """Longest cached page-aligned prefix of ``key`` (at most ``max_pages`` pages).
+
+        With ``draft_records`` the prefix also stops one page before the first
+        node end whose ``next_token`` is not ``key``'s next token there (the
+        walk is repeated with that limit, splitting the node, so the new
+        head's continuation is its tail's first token, which the key matched).
+        """
         path, _ = self._walk(key, max_pages)
+        if self.draft_records and path:
+            exact = self._draft_exact_pages(key, path)
+            if exact is not None:
+                path, _ = self._walk(key, exact)
         n_dev = 0
         for node in path:
             if node.device_pages is None:
@@ -412,7 +454,7 @@ class RadixCache:
         return MatchResult(path, n_dev, self.page_size)
 
     def insert(self, key: TokenKey, device_pages, page_owners, matched_pages: int = 0,
-               drop_host: Callable[[RadixNode], None] | None = None) -> InsertResult:
+               drop_host: Callable[[RadixNode], None] | None = None, next_token: int = -1) -> InsertResult:
         """Insert ``key`` (page multiple) whose pages are ``device_pages`` with owners ``page_owners``.
 
         ``matched_pages``: leading pages the caller took from this tree (locked
@@ -421,6 +463,12 @@ class RadixCache:
         differs from the node's saved one, the node's L2 copy (laid out for the
         old owners) is first released through ``drop_host`` and the node takes
         the new owners.
+
+        ``next_token``: the token after the key's last row as the caller's
+        pages were computed with it (-1 when unknown).  New nodes and revived
+        nodes record the caller's continuation at their end; with
+        ``draft_records``, a revived node whose L2 copy was computed with
+        another continuation drops that copy too (its last draft row differs).
         """
         ps = self.page_size
         if not isinstance(key, TokenKey):
@@ -443,6 +491,10 @@ class RadixCache:
                 or not 0 <= matched_pages <= n:
             raise ValueError(f"RadixCache.insert: matched_pages must be an int in [0, {n}], got {matched_pages!r}")
         matched_pages = int(matched_pages)
+        if isinstance(next_token, bool) or not isinstance(next_token, (int, np.integer)) or next_token < -1:
+            raise ValueError(f"RadixCache.insert: next_token must be a token id or -1, got {next_token!r}")
+        next_token = int(next_token)
+        tokens = key.tokens()
         owners = owner_ids.astype(np.int8)  # exact: owners < cp_size <= 128
         path, done = self._walk(key, None)
         resident = 0  # leading pages of the path already in L1: the only pages a caller can have matched
@@ -462,13 +514,16 @@ class RadixCache:
         for node in path:
             k = node.num_pages
             if node.device_pages is None and pos >= matched_pages:
-                if not np.array_equal(node.meta.page_owners, owners[pos : pos + k]):
+                cont = int(tokens[(pos + k) * ps]) if pos + k < n else next_token
+                stale = self.draft_records and node.host_pages is not None and node.next_token != cont
+                if stale or not np.array_equal(node.meta.page_owners, owners[pos : pos + k]):
                     if drop_host is None:
-                        raise RuntimeError("RadixCache.insert: L2-only node with a different owner sequence on the "
-                                           "path and no drop_host callback")
+                        raise RuntimeError("RadixCache.insert: L2-only node with a different owner sequence or "
+                                           "draft continuation on the path and no drop_host callback")
                     drop_host(node)
                     node.host_pages, node.host_payloads = None, frozenset()
                     node.meta = CPNodeMeta.build(owners[pos : pos + k], ps, self.rank)
+                node.next_token = cont
                 node.device_pages = pages[pos : pos + k].copy()
                 adopted[pos : pos + k] = True
                 self.device_pages_total += k
@@ -483,6 +538,7 @@ class RadixCache:
             leaf = self._new_node(key.raw()[done * ps * _TB :], CPNodeMeta.build(owners[done:], ps, self.rank), parent)
             leaf.device_pages = pages[done:].copy()
             leaf.last_access = self._clock
+            leaf.next_token = next_token
             parent.children[leaf.key[: self._page_bytes]] = leaf
             adopted[done:] = True
             self.device_pages_total += n - done
@@ -614,7 +670,7 @@ class RadixCache:
             h.update(node.key)
             h.update(node.meta.page_owners.tobytes())
             h.update(f"|{node.node_id}|{node.on_device}|{node.on_host}|{sorted(node.host_payloads)}|"
-                     f"{node.lock_ref}|{node.last_access}|{len(node.children)}".encode())
+                     f"{node.lock_ref}|{node.last_access}|{node.next_token}|{len(node.children)}".encode())
             stack.extend(node.children[k] for k in sorted(node.children))
         return h.hexdigest()
 

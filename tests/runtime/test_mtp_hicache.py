@@ -27,9 +27,8 @@ def tiny():
 
     g = torch.Generator().manual_seed(7)
     # The prompts share 2 whole pages and 3 more tokens: every cached page a prompt hits is followed by
-    # the same token in both, so the draft's record of a hit's last row (which encodes the *next*
-    # token) is the one a cold run computes.  (A hit that ends where prompts diverge reuses the
-    # caching request's record: docs/mtp.md, "Prefix caching".)
+    # the same token in both, so hits are never backed off here.  Hits that end where prompts diverge
+    # (the engine backs off one page) are in test_mtp_radix.py.
     shared = torch.randint(0, ref.CONFIG["vocab_size"], (35,), generator=g).tolist()
     prompts = [shared + torch.randint(0, ref.CONFIG["vocab_size"], (n,), generator=g).tolist() for n in (9, 14)]
     return model, forward, prompts

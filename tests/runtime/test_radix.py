@@ -253,3 +253,61 @@ def test_failed_release_leaves_eviction_counts_unchanged():
     assert tree.device_pages_total == 2 and tree.evictable_pages == 2
     assert leaf.device_pages.tolist() == [0, 1]
     assert tree.evict(2, lambda n: False) == 2 and tree.device_pages_total == 0
+
+
+# ------------------------------------------------- draft continuation tokens
+def _one_rank_insert(tree, tokens, next_token, matched=0):
+    n = len(tokens) // tree.page_size
+    return tree.insert(TokenKey(tokens)[: n * tree.page_size], np.arange(100, 100 + n), np.zeros(n, np.int64),
+                       matched_pages=matched, next_token=next_token)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_match_backs_off_one_page_where_the_continuation_differs_only_with_draft_records(draft):
+    tree = RadixCache(PS, draft_records=draft)
+    a = list(range(1, 13))  # 3 pages
+    _one_rank_insert(tree, a, next_token=50)
+    # Continues like the cached key after every node end: full hit either way.
+    assert tree.match_prefix(TokenKey(a + [50, 7])).device_len == 12
+    # Diverges right after page 2 (inside a's node): the split head's continuation is a's token 9.
+    b = a[:8] + [60, 61, 62]
+    assert tree.match_prefix(TokenKey(b)).device_len == (4 if draft else 8)
+    head = tree.root.children[TokenKey(a[:4]).raw()]
+    if draft:  # split after page 2 (the walk's divergence), then after page 1 (the back-off)
+        assert head.num_pages == 1 and head.next_token == 5
+        assert head.children[TokenKey(a[4:8]).raw()].next_token == 9
+    else:
+        assert head.num_pages == 2 and head.next_token == 9
+    # The cached key's end: its recorded continuation is 50.
+    assert tree.match_prefix(TokenKey(a + [51])).device_len == (8 if draft else 12)
+
+
+def test_node_end_inside_a_path_is_checked_too():
+    """A node with two branches keeps the continuation it was computed with; the other branch backs off there."""
+    tree = RadixCache(PS, draft_records=True)
+    a = list(range(1, 9)) + [20, 21, 22, 23]
+    b = list(range(1, 9)) + [30, 31, 32, 33]
+    _one_rank_insert(tree, a, next_token=-1)
+    m = tree.match_prefix(TokenKey(b + [0]))
+    assert m.device_len == 4  # a's node ends after page 2 with continuation 20, b continues with 30
+    _one_rank_insert(tree, b, next_token=-1, matched=1)  # b's pages 2.. go under the shared node
+    shared = m.nodes[-1].children[TokenKey(list(range(5, 9))).raw()]
+    assert shared.next_token == 20 and len(shared.children) == 2
+    assert tree.match_prefix(TokenKey(b + [0])).device_len == 4  # b's branch is behind a's continuation
+    assert tree.match_prefix(TokenKey(a + [0])).device_len == 8  # a's own end: continuation unknown (-1)
+    with pytest.raises(ValueError, match="next_token"):
+        _one_rank_insert(tree, a, next_token=-2)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_revived_node_takes_the_new_continuation_and_drops_a_stale_l2_copy_only_with_draft_records(draft):
+    tree = RadixCache(PS, draft_records=draft)
+    a = list(range(1, 9))
+    res = _one_rank_insert(tree, a, next_token=40)
+    node = res.last_node
+    node.host_pages, node.host_payloads = np.arange(2), frozenset({("mla", 0)})
+    assert tree.evict(2, lambda n: True) == 2  # stays as L2-only
+    dropped = []
+    res = tree.insert(TokenKey(a), np.arange(7, 9), np.zeros(2, np.int64), next_token=41, drop_host=dropped.append)
+    assert res.revived_nodes == [node] and node.next_token == 41
+    assert dropped == ([node] if draft else []) and (node.host_pages is None) == draft
