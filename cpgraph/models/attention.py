@@ -79,6 +79,22 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
         return w[:, : self.nope], w[:, self.nope :]
 
+    def query(self, q_lat: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Sparse-MLA queries ``[M, H, kv_lora + rope]`` = ``[q_nope @ W_UK | rope(q_pe)]`` from ``q_lat``.
+
+        Its own method so that benchmarks/mla_query_bench.py times exactly
+        this code.  Compiled, the ``cat`` and the RoPE fuse into one pointwise
+        kernel over ``[M, H, L + R]``; it stays memory-bound only because the
+        rotary tables arrive stored (see ``layers._stored_once``).
+        """
+        M = q_lat.shape[0]
+        w_uk, _ = self._absorbed()
+        q = self.q_b_proj(q_lat).view(M, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_pe = rope_interleaved(q_pe, cos, sin)
+        q_abs = torch.einsum("mhn,hnl->mhl", q_nope, w_uk)
+        return torch.cat((q_abs, q_pe), dim=-1)
+
     def forward(
         self,
         x: Tensor,
@@ -93,14 +109,10 @@ class MLAttention(nn.Module):
         """``x`` ``[M, hidden]`` (normed) -> (``[M, hidden]``, top-k ``int32 [M, k]`` ragged ids)."""
         M = x.shape[0]
         H = self.num_heads
-        w_uk, w_uv = self._absorbed()
+        _, w_uv = self._absorbed()
 
         q_lat = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_lat).view(M, H, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_pe = rope_interleaved(q_pe, cos, sin)
-        q_abs = torch.einsum("mhn,hnl->mhl", q_nope, w_uk)
-        q_full = torch.cat((q_abs, q_pe), dim=-1)  # [M, H, L + R]
+        q_full = self.query(q_lat, cos, sin)
 
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)

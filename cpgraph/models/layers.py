@@ -104,11 +104,38 @@ def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
     return scale
 
 
+def _stored_once(table: Tensor) -> Tensor:
+    """``table`` itself; under ``torch.compile`` also a promise to Inductor that it is stored once.
+
+    Why: Inductor inlines a cheap pointwise producer into every consumer
+    unless it reads many buffers or has a long body, and ``cos``/``sin`` count
+    as cheap on GPU.  The ``[M, dim/2]`` tables would then be recomputed per
+    element of every consumer -- per (row, head, pair) in the fused query
+    assembly (``cat(q_absorbed, rope(q_pe))``), 64 heads x 576 lanes of
+    libdevice cos+sin per row, which made that kernel about 6x slower than
+    its memory traffic on an H200.  Inductor's stride-order prim is the
+    lowering that must materialise its input (it pins the layout), so the
+    table becomes one small kernel and consumers load from it.  Same values:
+    the table is computed by the same ops and already rounded to ``dtype``.
+    Eager never runs it (nothing to realise there).
+    """
+    if not torch.compiler.is_compiling():
+        return table
+    return torch.ops.prims.inductor_force_stride_order(table, table.stride())
+
+
 class RotaryTable(nn.Module):
-    """Turns positions ``[M]`` into ``(cos, sin)`` of shape ``[M, dim/2]`` (one angle per pair)."""
+    """Turns positions ``[M]`` into ``(cos, sin)`` of shape ``[M, dim/2]`` (one angle per pair).
+
+    Computed once per forward and, compiled, stored once (``_stored_once``):
+    every RoPE of every layer reads the same two small tables.
+    """
 
     def __init__(self, rope: RopeConfig, dim: int):
         super().__init__()
+        # Registers torch.ops.prims.inductor_force_stride_order (used by _stored_once when compiling).
+        import torch._inductor.inductor_prims  # noqa: F401
+
         inv_freq, self.amplitude = rope_inv_freq(rope, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -116,7 +143,7 @@ class RotaryTable(nn.Module):
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         cos = angles.cos() * self.amplitude
         sin = angles.sin() * self.amplitude
-        return cos.to(dtype), sin.to(dtype)
+        return _stored_once(cos.to(dtype)), _stored_once(sin.to(dtype))
 
 
 def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
