@@ -539,8 +539,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def _cmd_pd(args: argparse.Namespace) -> int:
     """``cpgraph pd --cp N``: prefill on N CPU ranks, Mooncake transfer over loopback, decode one token."""
-    from cpgraph.models.config import bundled_config_dict
-    from cpgraph.runtime.inputs import check_batch_flags, check_mooncake, check_output_path, check_request
+    from cpgraph.runtime.inputs import check_batch_flags, check_mooncake, check_output_path, check_request, model_config
 
     with user_input():
         check_output_path(args.json)
@@ -549,7 +548,7 @@ def _cmd_pd(args: argparse.Namespace) -> int:
         if not args.tol >= 0:
             raise InputError(f"--tol must be >= 0, got {args.tol:g}")
         check_batch_flags(page_size=args.page, cp=args.cp, chunk_tokens=args.chunk_tokens, group=args.group)
-        vocab = bundled_config_dict(args.model)["vocab_size"]  # the decode check needs a bundled config
+        vocab = model_config(args.model).vocab_size  # config.json only: checked before anything is spawned
         prompts = _read_prompts(args.prompts_file) if args.prompts_file else _builtin_prompts(vocab)
         req = check_request(prompts, args.prefix_lens, vocab=vocab, page_size=args.page, cp=args.cp,
                             chunk_tokens=args.chunk_tokens, group=args.group)
@@ -676,7 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_run)
 
     d = sub.add_parser("pd", help="prefill on N CP ranks, send the KV to a decode process (Mooncake), decode a token")
-    d.add_argument("--model", default="tiny-glm5", help="bundled tiny model name (default tiny-glm5)")
+    d.add_argument("--model", default="tiny-glm5",
+                   help="bundled tiny model name (default tiny-glm5) or a local checkpoint dir of a tiny model "
+                        "(the decode side checks against transformers built from its config.json)")
     d.add_argument("--cp", type=int, default=2, help="prefill CP ranks (default 2)")
     d.add_argument("--prompts-file", default=None, help="JSON list of token-id lists (default: built-in prompts)")
     d.add_argument("--prefix-lens", type=_int_list, default=None, help="cached prefix per prompt (page multiples)")

@@ -100,7 +100,7 @@ def test_out_of_vocabulary_prompt_under_cp_fails_in_the_parent(capsys, no_spawn,
     (["--cp", "0"], "--cp must be >= 1, got 0"),
     (["--timeout", "0"], "--timeout must be > 0"),
     (["--json", "/nonexistent-dir/pd.json"], "does not exist"),
-    (["--model", "tiny-nothing"], "unknown bundled model 'tiny-nothing'"),
+    (["--model", "tiny-nothing"], "'tiny-nothing' is neither a local checkpoint directory nor a bundled model"),
 ])
 def test_pd_input_errors(capsys, no_spawn, argv, expected):
     line = user_error(capsys, ["pd", *argv])

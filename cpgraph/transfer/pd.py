@@ -119,12 +119,16 @@ def _free_port() -> int:
 
 
 def hf_reference(name: str, model):
-    """transformers model with ``model``'s weights (bundled tiny configs only)."""
+    """transformers model with ``model``'s weights: a bundled tiny config, or a local checkpoint's ``config.json``."""
+    import json
+    from pathlib import Path
+
     import transformers
 
     from cpgraph.models.config import bundled_config_dict
 
-    d = bundled_config_dict(name)
+    local = Path(name) / "config.json"
+    d = json.loads(local.read_text()) if local.is_file() else bundled_config_dict(name)
     cls = {"deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
            "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM)}[d["model_type"]]
     cfg = cls[0](**{k: v for k, v in d.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")})

@@ -1,6 +1,8 @@
 """``cpgraph pd``: spawned prefill rank(s) + decode process, decode logits vs transformers 5.24."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -8,13 +10,19 @@ pytest.importorskip("mooncake.engine")
 
 from cpgraph.cli import main  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_cli_run_cp import _two_layer_checkpoint  # noqa: E402
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--cp", "1", "--chunk-tokens", "32"], ["--cp", "2", "--prefix-lens", "32,0,0,64"]])
 def test_pd(tmp_path, capsys, argv):
     # --timeout is per stage; the prefill ranks' compile is one, and takes minutes on a loaded 2-core machine.
+    # The CP case runs a local two-layer tiny-glm5 checkpoint (dense + indexer, MoE + shared top-k): every
+    # layer kind, half the compile; the decode side's transformers reference reads its config.json.
     out = tmp_path / "pd.json"
-    assert main(["pd", *argv, "--quiet", "--json", str(out), "--timeout", "300"]) == 0
+    model = ["--model", _two_layer_checkpoint(tmp_path / "ckpt")] if "--cp" in argv and argv[argv.index("--cp") + 1] != "1" else []
+    assert main(["pd", *argv, *model, "--quiet", "--json", str(out), "--timeout", "300"]) == 0
     data = json.loads(out.read_text())
     assert data["max_abs_diff"] <= 1e-4 and data["statuses"] == [4] * 8 and data["bytes_sent"] > 0
     text = capsys.readouterr().out
