@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import os
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-
-def kernel_device() -> str | None:
-    """``"cpu"`` when the Triton interpreter is on, ``"cuda"`` on a GPU machine, else ``None``."""
-    if os.environ.get("TRITON_INTERPRET", "") == "1":
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    return None
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_env import kernel_device  # noqa: E402,F401  (tests here import it from conftest)
 
 
 @pytest.fixture

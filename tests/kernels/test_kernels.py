@@ -10,7 +10,8 @@ program, so the launchers pick large tiles when interpreting.
 
 from __future__ import annotations
 
-import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,12 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-
-def kernel_device() -> str | None:
-    """``"cpu"`` under ``TRITON_INTERPRET=1``, ``"cuda"`` on a GPU machine, else ``None`` (skip)."""
-    if os.environ.get("TRITON_INTERPRET", "") == "1":
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else None
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_env import kernel_device  # noqa: E402
 
 
 if kernel_device() is None:

@@ -11,6 +11,8 @@ CUDA; CUDA-graph capture is GPU-only.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,14 +27,8 @@ ops = torch.ops.cpgraph
 FP8 = torch.float8_e4m3fn
 
 
-def kernel_device() -> str | None:
-    if os.environ.get("TRITON_INTERPRET", "") == "1":
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else None
-
-
-needs_kernels = pytest.mark.skipif(kernel_device() is None, reason="needs TRITON_INTERPRET=1 or a CUDA device")
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_env import kernel_device, needs_gpu, needs_kernels  # noqa: E402
 
 
 def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
