@@ -63,21 +63,9 @@ def _model():
 
 def _target_hidden(model, prompts):
     """``hidden[i][pos]``: the single-device target's final-normed hidden state (one pass per batch)."""
-    import mtp_reference as ref
+    from test_mtp import _target_hidden as single_device_hidden
 
-    from cpgraph.models.batch import build_batch
-    from cpgraph.plan import plan_prefill
-    from cpgraph.runtime.engine import pool_config, pool_tensors
-    from cpgraph.runtime.kv_pool import KVPool
-
-    plan = plan_prefill([0] * len(prompts), [len(p) for p in prompts], cp_size=1, page_size=ref.PAGE)
-    owners = [plan.page_owners(i) for i in range(len(prompts))]
-    pool = KVPool(pool_config(model, "bf16", ref.PAGE, sum(len(o) for o in owners)))
-    tables = [pool.alloc_pages_with_owners(o) for o in owners]
-    ids, meta = build_batch(plan, prompts, tables)
-    with torch.no_grad():
-        out = model(ids, meta, *pool_tensors(pool, model), return_hidden=True)
-    return list(out.hidden.split([len(p) for p in prompts]))
+    return single_device_hidden(model, prompts)
 
 
 def _local_rows(plan, rank, hidden):
