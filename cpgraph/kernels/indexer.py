@@ -375,6 +375,22 @@ def _histogram_step(srow, crow, i0, end, prefix, known, SHIFT: tl.constexpr, FRO
 
 
 @triton.jit
+def _window_histogram(srow, crow, lo, hi, prefix, known, SHIFT: tl.constexpr, FROM_CAND: tl.constexpr,
+                      LOOP_WHILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram of digit ``SHIFT`` over keys ``[lo, hi)`` (one radix pass), in either loop form."""
+    hist = tl.zeros((256,), tl.int32)
+    if LOOP_WHILE:
+        i0 = lo
+        while i0 < hi:
+            hist += _histogram_step(srow, crow, i0, hi, prefix, known, SHIFT, FROM_CAND, BLOCK)
+            i0 += BLOCK
+    else:
+        for i0 in range(lo, hi, BLOCK):
+            hist += _histogram_step(srow, crow, i0, hi, prefix, known, SHIFT, FROM_CAND, BLOCK)
+    return hist
+
+
+@triton.jit
 def _split_step(srow, orow, crow, i0, hi, prefix, taken, count, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """Keys whose bits above ``SHIFT`` exceed ``prefix``'s are winners (to ``orow``); equal ones are candidates.
 
@@ -538,27 +554,11 @@ def _select_kernel(
             start = 0
             end = count
         else:
-            hist = tl.zeros((256,), tl.int32)
-            if LOOP_WHILE:
-                i0 = lo
-                while i0 < hi:
-                    hist += _histogram_step(srow, crow, i0, hi, prefix, known, 24, False, BLOCK)
-                    i0 += BLOCK
-            else:
-                for i0 in range(lo, hi, BLOCK):
-                    hist += _histogram_step(srow, crow, i0, hi, prefix, known, 24, False, BLOCK)
+            hist = _window_histogram(srow, crow, lo, hi, prefix, known, 24, False, LOOP_WHILE, BLOCK)
             digit, need, prefix, known = _pick_digit(hist, need, prefix, known, 24)
             if COMPACT:
                 if SPLIT_AT == 2:  # the second digit over the whole window too, then split on 16 bits
-                    hist = tl.zeros((256,), tl.int32)
-                    if LOOP_WHILE:
-                        i0 = lo
-                        while i0 < hi:
-                            hist += _histogram_step(srow, crow, i0, hi, prefix, known, 16, False, BLOCK)
-                            i0 += BLOCK
-                    else:
-                        for i0 in range(lo, hi, BLOCK):
-                            hist += _histogram_step(srow, crow, i0, hi, prefix, known, 16, False, BLOCK)
+                    hist = _window_histogram(srow, crow, lo, hi, prefix, known, 16, False, LOOP_WHILE, BLOCK)
                     digit, need, prefix, known = _pick_digit(hist, need, prefix, known, 16)
                 count = tl.full((), 0, tl.int32)
                 if LOOP_WHILE:
@@ -576,15 +576,7 @@ def _select_kernel(
                 end = count
         # Radix passes still to do (over the candidates when split): digit shifts 24 - 8 p.
         for p in tl.static_range(SPLIT_AT if COMPACT else 1, 4):
-            hist = tl.zeros((256,), tl.int32)
-            if LOOP_WHILE:
-                i0 = start
-                while i0 < end:
-                    hist += _histogram_step(srow, crow, i0, end, prefix, known, 24 - 8 * p, COMPACT, BLOCK)
-                    i0 += BLOCK
-            else:
-                for i0 in range(start, end, BLOCK):
-                    hist += _histogram_step(srow, crow, i0, end, prefix, known, 24 - 8 * p, COMPACT, BLOCK)
+            hist = _window_histogram(srow, crow, start, end, prefix, known, 24 - 8 * p, COMPACT, LOOP_WHILE, BLOCK)
             digit, need, prefix, known = _pick_digit(hist, need, prefix, known, 24 - 8 * p)
         # Collect: every key above T, then the first `need` keys equal to T in position order.
         ties = tl.full((), 0, tl.int32)

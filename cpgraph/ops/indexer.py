@@ -237,15 +237,19 @@ def _indexer_q_quant_fake(q, weights):
 
 
 # ----------------------------------------------------------- indexer_logits_fp8
-def _check_logits_fp8(q_bytes, k_bytes, k_scale, weights, ks, ke) -> None:
-    op = "indexer_logits_fp8"
-    check_tensor(op, "q_bytes", q_bytes, dtype=torch.uint8, ndim=3)
-    m, h, d = q_bytes.shape
-    check_tensor(op, "k_bytes", k_bytes, dtype=torch.uint8, ndim=2, shape=(None, d))
-    check_tensor(op, "k_scale", k_scale, dtype=torch.float32, ndim=1, shape=(k_bytes.shape[0],))
+def _check_fp8_scoring(op, q_name, k_name, q, k, k_scale, weights, ks, ke) -> None:
+    """FP8 scoring inputs (e4m3 bytes + per-key scales), under each op's own argument names."""
+    check_tensor(op, q_name, q, dtype=torch.uint8, ndim=3)
+    m, h, d = q.shape
+    check_tensor(op, k_name, k, dtype=torch.uint8, ndim=2, shape=(None, d))
+    check_tensor(op, "k_scale", k_scale, dtype=torch.float32, ndim=1, shape=(k.shape[0],))
     check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, shape=(m, h))
     _check_window(op, m, ks, ke)
-    check_same_device(op, q_bytes=q_bytes, k_bytes=k_bytes, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
+    check_same_device(op, **{q_name: q, k_name: k}, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
+
+
+def _check_logits_fp8(q_bytes, k_bytes, k_scale, weights, ks, ke) -> None:
+    _check_fp8_scoring("indexer_logits_fp8", "q_bytes", "k_bytes", q_bytes, k_bytes, k_scale, weights, ks, ke)
 
 
 def e4m3_decode(b: Tensor) -> Tensor:
@@ -410,14 +414,7 @@ def _check_budget(topk, max_logits_bytes) -> None:
 
 def _check_indexer_topk_fp8(q, k, weights, ks, ke, k_scale) -> None:
     """The FP8 form's inputs (``indexer_logits_fp8``'s checks under this op's argument names)."""
-    op = "indexer_topk"
-    check_tensor(op, "q", q, dtype=torch.uint8, ndim=3)
-    m, h, d = q.shape
-    check_tensor(op, "k", k, dtype=torch.uint8, ndim=2, shape=(None, d))
-    check_tensor(op, "k_scale", k_scale, dtype=torch.float32, ndim=1, shape=(k.shape[0],))
-    check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, shape=(m, h))
-    _check_window(op, m, ks, ke)
-    check_same_device(op, q=q, k=k, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
+    _check_fp8_scoring("indexer_topk", "q", "k", q, k, k_scale, weights, ks, ke)
 
 
 def indexer_topk_reference(q, k, weights, ks, ke, topk, max_logits_bytes, k_scale=None):
