@@ -35,7 +35,7 @@ fused call per format at that shape.
 
 ``--sweep`` first times scoring variants (bf16 and FP8 apart) and
 selection variants at 32K (selection on one chunk of rows from the middle
-of the request, with and without the final sort), applies the fastest,
+of the request; ``topk_select_bench.py`` times whole layers), applies the fastest,
 and with ``--tuning-out`` saves it as a ``CPGRAPH_INDEXER_TUNING`` file.
 
     python benchmarks/indexer_bench.py --json out.json
@@ -65,9 +65,8 @@ SCORE_SWEEP = [(128, 128, 8, 2, False, 0, 0), (128, 128, 8, 2, True, 0, 0), (128
                (128, 64, 4, 3, True, 0, 0), (256, 128, 8, 2, True, 0, 0)]
 FP8_SWEEP = [(128, 128, 8, 2, False, 32, 0), (128, 128, 8, 2, True, 0, 0), (128, 128, 8, 2, True, 0, 128),
              (128, 64, 4, 3, True, 0, 0), (256, 128, 8, 2, True, 0, 0), (128, 64, 4, 3, True, 32, 0)]
-# Selection: (block, warps, compact, split_at, anchor shift, maxnreg); the first and third also without the sort.
-SELECT_SWEEP = [(4096, 8, False, 2, 18, 0), (4096, 8, True, 2, 18, 0), (4096, 8, True, 0, 18, 0),
-                (4096, 8, True, 0, 18, 128), (2048, 4, True, 0, 18, 0), (4096, 16, True, 0, 18, 0)]
+# Selection: (block, warps, sample, maxnreg).
+SELECT_SWEEP = [(512, 4, 512, 0), (1024, 4, 512, 0), (512, 4, 1024, 0), (256, 4, 512, 0), (512, 8, 512, 0)]
 
 
 def _fail(msg: str) -> None:
@@ -313,27 +312,26 @@ def sweep(budget, fp8, out_path=None):
     m = min(rows, M - a)
     ki.score_rows(q, k, w, ks, ke, buf, a, m)
     out = torch.empty((M, TOPK), dtype=torch.int32, device="cuda")
-    scratch = torch.empty((rows, N), dtype=torch.int32, device="cuda")
+    scratch = torch.empty((rows, ki.scratch_columns(N, TOPK)), dtype=torch.int32, device="cuda")
     sel_best = None
-    for block, warps, compact, split_at, shift, maxnreg in SELECT_SWEEP:
-        v = (block, warps, compact, split_at, shift, maxnreg)
-        for sort in (True, False) if v == SELECT_SWEEP[0] or v == SELECT_SWEEP[2] else (True,):
-            def fn():
-                ki.select_rows(buf, ks, ke, out, a, m, TOPK, scratch=scratch, block=block, num_warps=warps,
-                               compact=compact, sort=sort, split_at=split_at, anchor_shift=shift, maxnreg=maxnreg)
-            try:
-                ms = time_ms(fn, budget_ms=150.0)
-            except Exception as exc:  # noqa: BLE001
-                print(f"select {v}: failed: {str(exc)[:200]}", flush=True)
-                continue
-            results["select"].append({"variant": list(v) + [sort], "chunk_rows": m, "ms": ms})
-            print(f"select {v} sort={sort}: {ms:.3f} ms per {m} rows", flush=True)
-            if sort and (sel_best is None or ms < sel_best[0]):
-                sel_best = (ms, v)
+    for v in SELECT_SWEEP:
+        block, warps, sample, maxnreg = v
+
+        def fn():
+            ki.select_rows(buf, ks, ke, out, a, m, TOPK, scratch=scratch, block=block, num_warps=warps,
+                           sample=sample, maxnreg=maxnreg)
+        try:
+            ms = time_ms(fn, budget_ms=150.0)
+        except Exception as exc:  # noqa: BLE001
+            print(f"select {v}: failed: {str(exc)[:200]}", flush=True)
+            continue
+        results["select"].append({"variant": list(v), "chunk_rows": m, "ms": ms})
+        print(f"select {v}: {ms:.3f} ms per {m} rows", flush=True)
+        if sel_best is None or ms < sel_best[0]:
+            sel_best = (ms, v)
     if sel_best is not None:
-        block, warps, compact, split_at, shift, maxnreg = sel_best[1]
-        best.update(SELECT_BLOCK=block, SELECT_WARPS=warps, SELECT_COMPACT=compact, SELECT_SPLIT_AT=split_at,
-                    SELECT_ANCHOR_SHIFT=shift, SELECT_MAXNREG=maxnreg)
+        block, warps, sample, maxnreg = sel_best[1]
+        best.update(SELECT_BLOCK=block, SELECT_WARPS=warps, SELECT_SAMPLE=sample, SELECT_MAXNREG=maxnreg)
     ki.set_tuning(**best)
     print(f"best: {best}", flush=True)
     if out_path:

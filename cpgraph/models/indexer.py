@@ -23,7 +23,7 @@ owner-sharded materialisation:
   scores of ``indexer_logits_fp8`` never exist in the model).
 
 Output: ``int32 [M, topk]`` row ids in the full view (ragged coordinates,
-already offset by the request start), best first, ``-1`` padding.
+already offset by the request start), in position order, ``-1`` padding.
 """
 
 from __future__ import annotations

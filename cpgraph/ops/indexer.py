@@ -142,22 +142,26 @@ def tie_rank_keys(logits: Tensor, ks: Tensor, ke: Tensor) -> Tensor:
 
 
 def _select_topk(logits: Tensor, ks: Tensor, ke: Tensor, topk: int) -> Tensor:
-    """int32 ``[M, topk]`` ragged ids of the best in-window keys under the tie rule, ``-1`` padded.
+    """int32 ``[M, topk]`` ragged ids of the best in-window keys under the tie rule, in position order, ``-1`` padded.
 
     The window is applied again here (``logits`` may come from a kernel that
     writes garbage outside it).  Keys are padded with the out-of-window key up
     to ``topk`` so ``torch.topk`` is defined for short views; any pick outside
-    the window becomes ``-1``, which sorts the padding to the tail because
-    every in-window key ranks above it.  The transient is an int64 ``[M, N]``
+    the window becomes ``-1`` (at the tail: every in-window key ranks above
+    the padding).  The transient is an int64 ``[M, N]``
     (twice the fp32 logits it ranks).
     """
     n = logits.shape[1]
     keys = tie_rank_keys(logits, ks, ke)
     if n < topk:
         keys = F.pad(keys, (0, topk - n), value=_NO_KEY)
-    idx = keys.topk(topk, dim=1, largest=True, sorted=True).indices
+    idx = keys.topk(topk, dim=1, largest=True, sorted=False).indices
     keep = (idx >= ks[:, None]) & (idx < ke[:, None])
-    return torch.where(keep, idx, torch.full((), -1, dtype=idx.dtype, device=idx.device)).to(torch.int32)
+    # Position order, padding last: the set is the tie rule's, the order carries no score information
+    # (sparse attention is order-free, and ascending positions read the KV in address order).
+    past = torch.full((), max(n, topk), dtype=idx.dtype, device=idx.device)
+    idx = torch.where(keep, idx, past).sort(dim=1).values
+    return torch.where(idx < n, idx, torch.full((), -1, dtype=idx.dtype, device=idx.device)).to(torch.int32)
 
 
 # ---------------------------------------------------------------- indexer_logits

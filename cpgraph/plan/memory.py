@@ -269,15 +269,22 @@ def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logit
     t.free("iq", "ik", "w", "k_view")
 
 
+def _select_scratch_columns(n_keys: int, topk: int) -> int:
+    """Candidate columns per row of the Triton select kernel (``cpgraph.kernels.topk_select.scratch_columns``)."""
+    return max(1, min(n_keys, max(2 * topk, n_keys // 8)))
+
+
 def _chunked_topk(t: _Tape, R: int, N: int, topk: int, max_logits_bytes: int) -> None:
     """``indexer_topk``'s provider: its output, and one fp32 score chunk (scored, selected, next chunk).
 
-    No candidate scratch: the select kernel's ``SELECT_COMPACT`` is off by default.
+    The select kernel's candidate scratch (int32, ``scratch_columns`` per row of the chunk) lives
+    beside the chunk's scores.
     """
     t.alloc("topk", 4 * R * topk)
     chunk = min(R, max(1, max_logits_bytes // (4 * max(N, 1))))
     t.alloc("scores", 4 * chunk * N)
-    t.free("scores")
+    t.alloc("select scratch", 4 * chunk * _select_scratch_columns(N, topk))
+    t.free("scores", "select scratch")
 
 
 def _attention_layer(cfg, R: int, N: int, a: int, kv_format: str, index_format: str, max_logits_bytes: int,
@@ -294,9 +301,10 @@ def _attention_layer(cfg, R: int, N: int, a: int, kv_format: str, index_format: 
     t.alloc("q_lat", R * ql * a)
     t.free("q_a")
     t.alloc("q", R * heads * qk * a)
-    _rope(t, "q_pe", R * heads * rope * a)
-    t.alloc("q_abs", R * heads * kvl * a)  # einsum with W_UK
+    # cpgraph::mla_query's GPU provider: the W_UK GEMM and the RoPE lanes write straight into q_full (no
+    # transients); q_b_proj's output dies when MLAttention.query returns.
     t.alloc("q_full", R * heads * (kvl + rope) * a)
+    t.free("q")
     t.alloc("kv_a", R * (kvl + rope) * a)
     t.alloc("c.contiguous", R * kvl * a)  # rms_norm copies the strided latent first
     t.alloc("c", R * kvl * a)

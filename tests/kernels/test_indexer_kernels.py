@@ -1,11 +1,12 @@
-"""Triton indexer kernels (cpgraph/kernels/indexer.py) against the torch references.
+"""Triton indexer kernels (cpgraph/kernels/indexer*.py, topk_select.py) against the torch references.
 
 Small shapes run on CPU tensors under ``TRITON_INTERPRET=1`` (CI) or on CUDA;
 the production-shape tests at the bottom are marked ``gpu`` and need CUDA.
 
-What must hold exactly: the selection under the tie rule (same ids, same
-order, RAGGED and PAGED), whatever the row chunking, key tiling or key
-splits; dummy windows give ``-1``; a row's ids depend only on its own
+What must hold exactly: the selection under the tie rule (same ids in
+position order, RAGGED and PAGED), whatever the row chunking, key tiling,
+key splits, sample size, scratch size or bracket (a missed bracket and an
+overflowing scratch take slower exact paths); dummy windows give ``-1``; a row's ids depend only on its own
 inputs.  Scores are fp32 sums in a different order than the reference, so
 they match to rounding; the top-k built on them is compared exactly where
 scores are exact (small-integer inputs), and elsewhere as sets whose
@@ -70,8 +71,8 @@ def integer_inputs(seed, M, H, D, N, dtype=torch.bfloat16):
 
 # ---------------------------------------------------------------- selection
 @pytest.mark.parametrize("topk", [1, 5, 16, 40])
-@pytest.mark.parametrize("compact,split_at", [(False, 2), (True, 0)])
-def test_select_equals_reference_on_ties(topk, compact, split_at):
+@pytest.mark.parametrize("sample", [16, 64])
+def test_select_equals_reference_on_ties(topk, sample):
     g = _gen(topk)
     M, N = 10, 37
     logits = tied_scores(g, M, N)
@@ -79,7 +80,7 @@ def test_select_equals_reference_on_ties(topk, compact, split_at):
     slots = (torch.randperm(N + 5, generator=g)[:N] * 7).to(DEV)
     saved = ki.tuning()
     try:
-        ki.set_tuning(SELECT_COMPACT=compact, SELECT_SPLIT_AT=split_at)
+        ki.set_tuning(SELECT_SAMPLE=sample)
         assert torch.equal(ki.topk_ragged(logits, ks, ke, topk), ix.topk_ragged_reference(logits, ks, ke, topk))
         assert torch.equal(ki.topk_paged(logits, ks, ke, topk, slots),
                            ix.topk_paged_reference(logits, ks, ke, topk, slots))
@@ -87,28 +88,49 @@ def test_select_equals_reference_on_ties(topk, compact, split_at):
         ki.set_tuning(**saved)
 
 
-@pytest.mark.parametrize("block,compact,split_at,anchor_shift", [(32, True, 1, 18), (32, True, 2, 18), (64, False, 2, 18),
-                                                                 (32, True, 0, 18), (64, True, 0, 21), (32, True, 0, 0)])
-def test_select_multi_block_radix(block, compact, split_at, anchor_shift):
-    """Windows many blocks long: every histogram pass and the ordered tie collection cross blocks."""
-    g = _gen(block)
-    M, N, topk = 6, 300, 24
-    logits = torch.randn(M, N, generator=g)
-    logits[1] = logits[1].round()  # heavy ties
-    logits[2, 100:] = 0.5  # the boundary value repeated over many blocks
-    logits[3] = -logits[3].abs()  # negatives only
+def _hard_rows(g, N, sample):
+    """Rows that stress each path: heavy ties, one boundary value over many blocks, negatives, signed zeros,
+    scores sorted by position (a strided sample still brackets them), NaN/inf, one constant (a bracket of
+    one value), and keys large exactly where the sample looks (row 8, window [0, N)): the bracket misses
+    and the exact fallback runs."""
+    logits = torch.randn(9, N, generator=g)
+    logits[1] = logits[1].round()
+    logits[2, 100:] = 0.5
+    logits[3] = -logits[3].abs()
     logits[4, ::3] = -0.0
-    logits = logits.to(DEV)
-    ks = torch.tensor([0, 5, 0, 17, 0, 250], device=DEV)
-    ke = torch.tensor([300, 290, 300, 299, 300, 300], device=DEV)
+    logits[5] = torch.linspace(-3, 3, N)
+    logits[6, 7], logits[6, 11], logits[6, 13] = NAN, INF, -INF
+    logits[7] = 2.0
+    logits[8] = 0.0
+    logits[8, (torch.arange(sample) * N) // sample] = 10.0 + torch.arange(sample).float()
+    return logits
+
+
+@pytest.mark.parametrize("block,sample,cols", [(32, 16, None), (64, 64, None), (32, 16, 3), (128, 32, 1)])
+def test_select_multi_block(block, sample, cols):
+    """Windows many blocks long: the bracket pass, the 32-bin refinement and the ordered tie collection cross
+    blocks; ``cols`` shrinks the candidate scratch so refinement reads the window itself."""
+    g = _gen(block + sample)
+    N, topk = 300, 24
+    logits = _hard_rows(g, N, sample).to(DEV)
+    M = logits.shape[0]
+    ks = torch.tensor([0, 5, 0, 17, 0, 250, 0, 3, 0], device=DEV)
+    ke = torch.tensor([300, 290, 300, 299, 300, 300, 300, 280, 300], device=DEV)
+    scratch = None if cols is None else torch.empty((M, cols), dtype=torch.int32, device=DEV)
     out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
-    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, compact=compact, split_at=split_at,
-                   anchor_shift=anchor_shift)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, sample=sample, scratch=scratch)
     assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
     slots = torch.randperm(N, generator=g).to(DEV) + 1000
-    ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, compact=compact, split_at=split_at,
-                   anchor_shift=anchor_shift)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, sample=sample, scratch=scratch)
     assert torch.equal(out, ix.topk_paged_reference(logits, ks, ke, topk, slots))
+
+
+def test_select_scratch_is_checked():
+    logits = torch.zeros(2, 8, device=DEV)
+    ks, ke = torch.zeros(2, dtype=torch.int64, device=DEV), torch.full((2,), 8, device=DEV)
+    out = torch.empty((2, 3), dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="scratch must be int32"):
+        ki.select_rows(logits, ks, ke, out, 0, 2, 3, scratch=torch.empty((1, 4), dtype=torch.int32, device=DEV))
 
 
 def test_select_clamps_bad_windows():
@@ -117,7 +139,7 @@ def test_select_clamps_bad_windows():
     ks = torch.tensor([-5, 6, 3], device=DEV)
     ke = torch.tensor([2, 100, 1], device=DEV)
     got = ki.topk_ragged(logits, ks, ke, 3)
-    assert got.tolist() == [[1, 0, -1], [7, 6, -1], [-1, -1, -1]]
+    assert got.tolist() == [[0, 1, -1], [6, 7, -1], [-1, -1, -1]]
 
 
 # ------------------------------------------------------------------ scoring
@@ -189,8 +211,8 @@ def test_scoring_fp8_exact_on_integers_any_layout(keys_m, group):
 
 
 # ------------------------------------------------------------------- fused
-@pytest.mark.parametrize("compact", [False, True])
-def test_indexer_topk_fp8_exact_any_budget(compact):
+@pytest.mark.parametrize("sample", [16, 1024])
+def test_indexer_topk_fp8_exact_any_budget(sample):
     """The FP8 form of the fused op: equal to the unfused FP8 reference on exact, tie-heavy scores, any chunking."""
     g = _gen(31)
     M, H, D, N, topk = 9, 2, 32, 70, 7
@@ -207,7 +229,7 @@ def test_indexer_topk_fp8_exact_any_budget(compact):
     assert torch.equal(ix.indexer_topk_reference(q_bytes, k_bytes, w, ks, ke, topk, 4 * N * 2, k_scale), want)
     saved = ki.tuning()
     try:
-        ki.set_tuning(SELECT_COMPACT=compact)
+        ki.set_tuning(SELECT_SAMPLE=sample)
         for budget in (1, 4 * N * 4, 1 << 30):
             got = ki.indexer_topk(q_bytes, k_bytes, w, ks, ke, topk, budget, k_scale)
             assert torch.equal(got, want), f"budget {budget}"
@@ -278,7 +300,8 @@ def _assert_topk_agrees(got, want, scores, got_scores, ks, ke, topk):
         row = scores[s]
         fin = torch.isfinite(row)
         err = float((got_scores[s][fin] - row[fin]).abs().max())
-        kth = float(row[want[s][min(topk, int(ke[s] - ks[s])) - 1]])
+        picked = want[s][want[s] >= 0].long()
+        kth = float(row[picked].min())  # the reference's k-th score (ids are in position order)
         for t in a ^ b:
             assert abs(float(row[t]) - kth) <= 2 * err, f"row {s}: key {t} score {float(row[t])} vs k-th {kth}"
     return len(diff_rows)
@@ -331,8 +354,8 @@ def test_gpu_production_indexer_topk(lens, prefix):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("compact,split_at", [(False, 2), (True, 1), (True, 2), (True, 0)])
-def test_gpu_zero_heavy_ties_exact(compact, split_at):
+@pytest.mark.parametrize("sample,cols", [(1024, None), (64, None), (1024, 16)])
+def test_gpu_zero_heavy_ties_exact(sample, cols):
     """ReLU zeros everywhere (most dots negative) at production shape: ids equal the reference's exactly."""
     q, k, w, ks, ke = _prod_batch([3000], [0], seed=1)
     q = (q.float() - 2.0).bfloat16()  # most head dots negative -> many exact-zero scores
@@ -341,13 +364,17 @@ def test_gpu_zero_heavy_ties_exact(compact, split_at):
     assert int((got_scores == 0).sum()) > 1_000_000  # sync-ok (test)
     saved = ki.tuning()
     try:
-        ki.set_tuning(SELECT_COMPACT=compact, SELECT_SPLIT_AT=split_at)
+        ki.set_tuning(SELECT_SAMPLE=sample)
         got = ki.indexer_topk(q, k, w, ks, ke, 2048, 64 << 20)
         want = ix.topk_ragged_reference(got_scores, ks, ke, 2048)
         assert torch.equal(got, want)
-        # Random scores (few ties, the k-th key's bucket small) through the same selection.
+        # Random scores (few ties) through the same selection, with the given candidate scratch.
         logits = torch.randn(q.shape[0], k.shape[0], device="cuda")
-        assert torch.equal(ki.topk_ragged(logits, ks, ke, 2048), ix.topk_ragged_reference(logits, ks, ke, 2048))
+        M = q.shape[0]
+        out = torch.empty((M, 2048), dtype=torch.int32, device="cuda")
+        scratch = None if cols is None else torch.empty((M, cols), dtype=torch.int32, device="cuda")
+        ki.select_rows(logits, ks, ke, out, 0, M, 2048, scratch=scratch)
+        assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, 2048))
     finally:
         ki.set_tuning(**saved)
 
@@ -417,20 +444,31 @@ def test_tuning_overrides_are_validated(tmp_path, monkeypatch):
         assert ki.tuning()["SELECT_BLOCK"] == 1024 and ki.tuning()["KEYS_M"] is True
         with pytest.raises(ValueError, match="unknown tuning parameter 'BLOK'"):
             ki.set_tuning(BLOK=3)
-        with pytest.raises(ValueError, match="'SELECT_COMPACT' must be bool"):
-            ki.set_tuning(SELECT_COMPACT=1)
-        with pytest.raises(ValueError, match="SELECT_SPLIT_AT must be 0, 1 or 2"):
-            ki.set_tuning(SELECT_SPLIT_AT=3)
+        with pytest.raises(ValueError, match="'KEYS_M' must be bool"):
+            ki.set_tuning(KEYS_M=1)
+        with pytest.raises(ValueError, match="SELECT_SAMPLE must be a power of two"):
+            ki.set_tuning(SELECT_SAMPLE=1000)
+        with pytest.raises(ValueError, match="SELECT_BLOCK must be a power of two"):
+            ki.set_tuning(SELECT_BLOCK=1 << 16)
         with pytest.raises(ValueError, match="FP8_ACC_GROUP must be"):
             ki.set_tuning(FP8_ACC_GROUP=16)
         path = tmp_path / "tune.json"
-        path.write_text('{"KEY_TILE": 64, "SELECT_COMPACT": true}')
+        path.write_text('{"KEY_TILE": 64, "SELECT_SAMPLE": 512}')
         monkeypatch.setenv("CPGRAPH_INDEXER_TUNING", str(path))
         ki._tuning_from_env()
-        assert ki.tuning()["KEY_TILE"] == 64 and ki.tuning()["SELECT_COMPACT"] is True
+        assert ki.tuning()["KEY_TILE"] == 64 and ki.tuning()["SELECT_SAMPLE"] == 512
         # Results do not depend on the tuning.
         q, k, w = integer_inputs(9, 5, 2, 16, 40)
         ks, ke = windows(_gen(10), 5, 40)
         assert torch.equal(ki.indexer_topk(q, k, w, ks, ke, 6, 1 << 20), ix.indexer_topk_reference(q, k, w, ks, ke, 6, 1 << 20))
     finally:
         ki.set_tuning(**saved)
+
+
+def test_memory_plan_counts_the_select_scratch():
+    """plan/memory.py restates the select kernel's scratch width (the plan imports no kernels): they must agree."""
+    from cpgraph.kernels.topk_select import scratch_columns
+    from cpgraph.plan import memory
+
+    for n, k in [(1, 1), (37, 16), (4096, 2048), (32768, 2048), (131072, 2048), (100, 2048)]:
+        assert memory._select_scratch_columns(n, k) == scratch_columns(n, k)

@@ -1,0 +1,89 @@
+"""Launch parameters of the Triton indexer kernels (scoring and top-k selection), in one place.
+
+Values never change results, only speed (``FP8_ACC_GROUP`` changes FP8 rounding only), so a
+machine can carry its own: ``CPGRAPH_INDEXER_TUNING=file.json`` overrides any of them at import,
+and :func:`set_tuning` at run time (benchmark sweeps).  Defaults are tuned on an H200 for 64
+heads x 128 and top-k 2048 (``benchmarks/indexer_bench.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+log = logging.getLogger("cpgraph.kernels")
+
+_TUNE = {
+    # bf16/fp16 scoring: MMA_ROWS query-row heads x KEY_TILE keys per dot.
+    "MMA_ROWS": 128,
+    "KEY_TILE": 64,
+    "SCORE_WARPS": 4,
+    "SCORE_STAGES": 3,
+    # Keys on the MMA's M axis and query-row heads on N: the head sum then stays within a thread's
+    # registers (plus one quad shuffle) instead of crossing warps through shared memory.
+    "KEYS_M": True,
+    # FP8 dots: products accumulated in fp32 every FP8_ACC_GROUP of the head dim (32: every Hopper
+    # e4m3 MMA group promoted, as in the DeepGEMM GEMMs; 0: the whole head dim in the MMA accumulator,
+    # as DeepGEMM's mqa-logits kernel does for D = 128).
+    "FP8_ACC_GROUP": 0,
+    # The FP8 scoring tile, tuned apart from the bf16 one (half the operand bytes, twice the MMA rate:
+    # the ReLU / weight / head-sum epilogue weighs twice as much against the dot).
+    "FP8_MMA_ROWS": 128,
+    "FP8_KEY_TILE": 64,
+    "FP8_SCORE_WARPS": 4,
+    "FP8_SCORE_STAGES": 3,
+    "FP8_KEYS_M": True,
+    # Register caps (0: the compiler's choice).
+    "SCORE_MAXNREG": 0,
+    "FP8_SCORE_MAXNREG": 0,
+    # Selection (cpgraph/kernels/topk_select.py): window elements per step, warps per row program,
+    # sampled keys that bracket the k-th key, register cap.
+    # Swept on an H200 at 32K causal rows, k = 2048 (benchmarks/topk_select_bench.py --sweep): small
+    # blocks and 4 warps keep several row programs per SM, which hides the passes' dependent latency.
+    "SELECT_BLOCK": 512,
+    "SELECT_WARPS": 4,
+    "SELECT_SAMPLE": 512,
+    "SELECT_MAXNREG": 0,
+}
+
+
+def tuning() -> dict:
+    """The launch parameters in use."""
+    return dict(_TUNE)
+
+
+def get(name: str):
+    return _TUNE[name]
+
+
+def set_tuning(**values) -> None:
+    """Override launch parameters (names of :func:`tuning`); a wrong name, type or value raises ``ValueError``."""
+    for name, value in values.items():
+        if name not in _TUNE:
+            raise ValueError(f"cpgraph.kernels.indexer: unknown tuning parameter {name!r}; known: {sorted(_TUNE)}")
+        if type(value) is not type(_TUNE[name]):
+            raise ValueError(f"cpgraph.kernels.indexer: tuning parameter {name!r} must be "
+                             f"{type(_TUNE[name]).__name__}, got {value!r}")
+    if values.get("FP8_ACC_GROUP", 0) not in (0, 32, 64, 128):
+        raise ValueError(f"cpgraph.kernels.indexer: FP8_ACC_GROUP must be 0, 32, 64 or 128, got {values['FP8_ACC_GROUP']!r}")
+    sample = values.get("SELECT_SAMPLE", 1024)
+    if sample & (sample - 1) or not 16 <= sample <= 4096:
+        raise ValueError(f"cpgraph.kernels.indexer: SELECT_SAMPLE must be a power of two in [16, 4096], got {sample!r}")
+    block = values.get("SELECT_BLOCK", 4096)
+    if block & (block - 1) or not 16 <= block <= (1 << 15):
+        raise ValueError(f"cpgraph.kernels.indexer: SELECT_BLOCK must be a power of two in [16, 32768] (packed 16-bit "
+                         f"counts), got {block!r}")
+    _TUNE.update(values)
+
+
+def tuning_from_env() -> None:
+    """Apply ``CPGRAPH_INDEXER_TUNING`` (a JSON object of :func:`tuning` names) when it is set."""
+    path = os.environ.get("CPGRAPH_INDEXER_TUNING", "")
+    if path:
+        with open(path) as f:
+            set_tuning(**json.load(f))
+        log.info("cpgraph.kernels.indexer: tuning from %s: %s", path, _TUNE)
+
+
+tuning_from_env()

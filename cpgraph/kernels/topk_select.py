@@ -1,0 +1,295 @@
+"""Triton top-k selection under the tie rule: one program per row, a sampled bracket, 32-bin passes.
+
+The job: from a row's fp32 scores in its window ``[lo, hi)`` pick the ``topk`` best keys under
+the tie rule of :func:`cpgraph.ops.indexer.tie_rank_keys` (higher score first, the lower position
+among equal scores) and write their positions **in position order** (docs/ops/indexer.md).  The
+scores do no FLOPs, so the cost is instructions per key; the design keeps full passes over the
+window to two and makes everything else work on a small candidate set:
+
+1. **Bracket from a sample.**  ``SAMPLE`` keys at evenly spaced positions are sorted (in
+   registers); the sample's order statistics around the k-th key's expected rank, widened by four
+   standard deviations of a sample count, give ``tlo <= T <= thi`` for the k-th key ``T`` with
+   overwhelming probability.  Any bracket is correct: only the speed depends on it.
+2. **One pass over the window** counts keys above ``thi`` and copies the rank bits of the keys in
+   ``[tlo, thi]`` (the candidates, a few percent of the window) to a scratch row.  If the counts
+   show that ``T`` is not in the bracket, the bracket becomes everything (a slow but exact path).
+3. **Refine over the candidates** with 32-bin histograms (5 bits of ``u - tlo`` a pass, ~12
+   instructions a key, where a 256-bin ``tl.histogram`` costs ~90) until ``T`` and the number of
+   keys equal to ``T`` still to take are exact.  If the candidates did not fit the scratch, the
+   passes read the window itself, filtered to the bracket (correct, slower); a bracket of one
+   value (a massive tie) needs no pass at all.
+4. **Collect in position order**: one more pass over the window writes every key above ``T``
+   and the first ties of ``T`` by position, compacted with one packed prefix sum; it stops as
+   soon as ``topk`` keys are out.  No sort: the output is in position order by construction.
+
+Scores map to order-preserving 32-bit rank bits (``-0.0`` -> ``0.0``, one NaN above ``+inf``).
+Why per row: a row's result must depend only on its own scores (CP = single device; tested by
+re-running rows in other batch compositions), and the window bounds live on the device, so no
+shape ever depends on data.  Nothing reads device memory on the host, the grid depends on static
+sizes, ``ks``/``ke`` are clamped into ``[0, N]`` and every load and store is masked: CUDA-graph
+capturable and never out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .indexer_tuning import _TUNE
+from .move import interpreting
+
+_U32_MAX = 0xFFFFFFFF
+
+
+@triton.jit
+def _rank_bits(x):
+    """fp32 -> uint32 whose unsigned order is the tie rule's score order.
+
+    ``-0.0`` becomes ``0.0`` and every NaN the positive quiet NaN (above ``+inf``); then the sign
+    bit is set for positives and all bits are flipped for negatives.
+    """
+    x = tl.where(x == 0.0, 0.0, x)
+    b = x.to(tl.uint32, bitcast=True)
+    b = tl.where(x != x, tl.full(b.shape, 0x7FC00000, tl.uint32), b)
+    neg = (b >> 31) != 0
+    return tl.where(neg, b ^ 0xFFFFFFFF, b | 0x80000000)
+
+
+@triton.jit
+def _window(ks, ke, row, n_keys):
+    """Row ``row``'s window clamped into ``[0, n_keys]`` (bad ids can never address memory)."""
+    lo = tl.load(ks + row).to(tl.int32)
+    hi = tl.load(ke + row).to(tl.int32)
+    lo = tl.minimum(tl.maximum(lo, 0), n_keys)
+    hi = tl.minimum(tl.maximum(hi, lo), n_keys)
+    return lo, hi
+
+
+@triton.jit
+def _at(x, idx, iota):
+    """Element ``idx`` of the 1-D tensor ``x`` (a scalar)."""
+    return tl.sum(tl.where(iota == idx, x, 0), axis=0)
+
+
+@triton.jit
+def _sample_bracket(srow, lo, n, topk, SAMPLE: tl.constexpr):
+    """``(tlo, thi)`` rank bits that bracket the row's k-th key with high probability (``n > topk``)."""
+    s = tl.arange(0, SAMPLE)
+    off = (s.to(tl.int64) * n) // SAMPLE  # evenly spaced, all inside the window
+    u = _rank_bits(tl.load(srow + lo + off))
+    o = tl.sort((u ^ 0x80000000).to(tl.int32, bitcast=True), descending=True)  # signed, same order
+    p = topk.to(tl.float32) / n.to(tl.float32)
+    r = (topk.to(tl.int64) * SAMPLE // n).to(tl.int32)  # the k-th key's expected sample index
+    margin = (4.0 * tl.sqrt(SAMPLE * p * (1.0 - p)) + 2.0).to(tl.int32)
+    i_hi = r - margin
+    i_lo = r + margin
+    thi = (_at(o, i_hi, s).to(tl.uint32, bitcast=True)) ^ 0x80000000
+    tlo = (_at(o, i_lo, s).to(tl.uint32, bitcast=True)) ^ 0x80000000
+    thi = tl.where(i_hi < 0, tl.full((), 0xFFFFFFFF, tl.uint32), thi)
+    tlo = tl.where(i_lo >= SAMPLE, tl.full((), 0, tl.uint32), tlo)
+    return tlo, thi
+
+
+@triton.jit
+def _bracket_step(srow, crow, i0, hi, tlo, thi, n_above, count, cap, BLOCK: tl.constexpr):
+    """One block: count keys above ``thi``; append the rank bits of keys in ``[tlo, thi]`` to ``crow``."""
+    pos = i0 + tl.arange(0, BLOCK)
+    valid = pos < hi
+    u = _rank_bits(tl.load(srow + pos, mask=valid, other=0.0))
+    above = (valid & (u > thi)).to(tl.int32)
+    inb = (valid & (u >= tlo) & (u <= thi)).to(tl.int32)
+    run = tl.cumsum(inb, axis=0) - inb  # exclusive
+    slot = count + run
+    tl.store(crow + slot, u.to(tl.int32, bitcast=True), mask=(inb != 0) & (slot < cap))
+    both = tl.sum(above | (inb << 16), axis=0)
+    return n_above + (both & 0xFFFF), count + (both >> 16)
+
+
+@triton.jit
+def _digit_hist(srow, crow, lo, hi, count, direct, tlo, thi, prefix, shift, low, BLOCK: tl.constexpr):
+    """32-bin histogram of bits ``[low, shift)`` of ``u - tlo`` over candidates whose bits from ``shift`` equal ``prefix``.
+
+    Candidates are the scratch row's ``count`` rank bits, or with ``direct`` the window's keys
+    in ``[tlo, thi]``.  ``(x >> (shift - 1)) >> 1`` keeps every shift below 32.
+    """
+    hist = tl.zeros((32,), tl.int32)
+    width = shift - low
+    mask_bits = (tl.full((), 1, tl.uint32) << width.to(tl.uint32)) - 1
+    if direct:
+        i0 = lo
+        while i0 < hi:
+            pos = i0 + tl.arange(0, BLOCK)
+            valid = pos < hi
+            u = _rank_bits(tl.load(srow + pos, mask=valid, other=0.0))
+            rel = u - tlo
+            m = valid & (u >= tlo) & (u <= thi) & (((rel >> (shift - 1).to(tl.uint32)) >> 1) == prefix)
+            hist += tl.histogram(((rel >> low.to(tl.uint32)) & mask_bits).to(tl.int32), 32, mask=m)
+            i0 += BLOCK
+    else:
+        i0 = 0
+        while i0 < count:
+            i = i0 + tl.arange(0, BLOCK)
+            valid = i < count
+            u = tl.load(crow + i, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            rel = u - tlo
+            m = valid & (((rel >> (shift - 1).to(tl.uint32)) >> 1) == prefix)
+            hist += tl.histogram(((rel >> low.to(tl.uint32)) & mask_bits).to(tl.int32), 32, mask=m)
+            i0 += BLOCK
+    return hist
+
+
+@triton.jit
+def _refine(srow, crow, lo, hi, count, direct, tlo, thi, need, BLOCK: tl.constexpr):
+    """The exact k-th rank bits ``T`` in ``[tlo, thi]`` and how many keys equal to ``T`` to take.
+
+    ``need`` is the k-th key's rank among the candidates (1 = the largest).  Each pass fixes up to
+    5 more bits of ``T - tlo``, from the top bit of ``thi - tlo`` down.
+    """
+    span = thi - tlo
+    bits = tl.full((), 0, tl.int32)
+    while (span >> bits.to(tl.uint32)) > 1:  # bits = number of significant bits of span (span < 2^32)
+        bits += 1
+    bits = tl.where(span > 0, bits + 1, 0)
+    bins = tl.arange(0, 32)
+    prefix = tl.full((), 0, tl.uint32)
+    shift = bits
+    while shift > 0:
+        low = tl.maximum(shift - 5, 0)
+        hist = _digit_hist(srow, crow, lo, hi, count, direct, tlo, thi, prefix, shift, low, BLOCK)
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        digit = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
+        need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+        prefix = (prefix << (shift - low).to(tl.uint32)) | digit.to(tl.uint32)
+        shift = low
+    return tlo + prefix, need
+
+
+@triton.jit
+def _collect_step(srow, orow, kv_slots, i0, hi, threshold, need, taken, ties, topk, PAGED: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Write one block's winners (above ``threshold``, or equal and among the first ``need`` ties) in position order.
+
+    The selected ties of a block are a prefix of its ties, so the winners before a key number
+    ``above_before + min(ties_before, room)`` with ``room = need - ties``: one packed scan of both
+    flags (a block holds fewer than 2^15 keys).
+    """
+    pos = i0 + tl.arange(0, BLOCK)
+    valid = pos < hi
+    u = _rank_bits(tl.load(srow + pos, mask=valid, other=0.0))
+    above = (valid & (u > threshold)).to(tl.int32)
+    eq = (valid & (u == threshold)).to(tl.int32)
+    both = above | (eq << 16)
+    run = tl.cumsum(both, axis=0) - both  # exclusive
+    room = tl.maximum(need - ties, 0)
+    eq_before = run >> 16
+    sel = (above != 0) | ((eq != 0) & (eq_before < room))
+    slot = taken + (run & 0xFFFF) + tl.minimum(eq_before, room)
+    keep = sel & (slot < topk)
+    if PAGED:
+        val = tl.load(kv_slots + pos, mask=keep, other=-1).to(tl.int32)
+    else:
+        val = pos
+    tl.store(orow + slot, val, mask=keep)
+    total = tl.sum(both, axis=0)
+    n_eq = total >> 16
+    return taken + (total & 0xFFFF) + tl.minimum(n_eq, room), ties + n_eq
+
+
+@triton.jit
+def _select_kernel(
+    scores, ks, ke, kv_slots, out, cand,
+    row0, n_keys, score_stride, cand_stride, cand_cap, topk,
+    KP: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, PAGED: tl.constexpr, LOOP_WHILE: tl.constexpr,
+):  # fmt: skip
+    """Row ``row0 + program`` of ``out`` <- its top-k under the tie rule, in position order (scores row = program)."""
+    local = tl.program_id(0)
+    row = row0 + local
+    topk = topk + tl.zeros((), tl.int32)  # a tensor even when Triton specialises topk == 1
+    lo, hi = _window(ks, ke, row, n_keys)
+    n = hi - lo
+    srow = scores + local.to(tl.int64) * score_stride
+    crow = cand + local.to(tl.int64) * cand_stride
+    orow = out + row.to(tl.int64) * topk
+    if n <= topk:  # the whole window, in order, then -1
+        j0 = 0
+        while j0 < topk:
+            j = j0 + tl.arange(0, KP)
+            live = j < n
+            pos = lo + j
+            if PAGED:
+                val = tl.load(kv_slots + pos, mask=live, other=-1).to(tl.int32)
+            else:
+                val = pos
+            tl.store(orow + j, tl.where(live, val, -1), mask=j < topk)
+            j0 += KP
+    else:
+        tlo, thi = _sample_bracket(srow, lo, n, topk, SAMPLE)
+        n_above = tl.full((), 0, tl.int32)
+        count = tl.full((), 0, tl.int32)
+        if LOOP_WHILE:
+            i0 = lo
+            while i0 < hi:
+                n_above, count = _bracket_step(srow, crow, i0, hi, tlo, thi, n_above, count, cand_cap, BLOCK)
+                i0 += BLOCK
+        else:
+            for i0 in range(lo, hi, BLOCK):
+                n_above, count = _bracket_step(srow, crow, i0, hi, tlo, thi, n_above, count, cand_cap, BLOCK)
+        hit = (n_above < topk) & (n_above + count >= topk)
+        # A missed bracket (a sample far from the row's distribution) falls back to everything: exact, slower.
+        tlo = tl.where(hit, tlo, tl.full((), 0, tl.uint32))
+        thi = tl.where(hit, thi, tl.full((), 0xFFFFFFFF, tl.uint32))
+        n_above = tl.where(hit, n_above, 0)
+        direct = (~hit) | (count > cand_cap)
+        tl.debug_barrier()  # candidates written by other threads of this program
+        threshold, need = _refine(srow, crow, lo, hi, count, direct, tlo, thi, topk - n_above, BLOCK)
+        taken = tl.full((), 0, tl.int32)
+        ties = tl.full((), 0, tl.int32)
+        i0 = lo
+        while (i0 < hi) & (taken < topk):  # stops once every winner is out
+            taken, ties = _collect_step(srow, orow, kv_slots, i0, hi, threshold, need, taken, ties, topk, PAGED,
+                                        BLOCK)
+            i0 += BLOCK
+
+
+def scratch_columns(n_keys: int, topk: int) -> int:
+    """Candidate scratch per row: room for a bracket's candidates (more fall back to reading the window)."""
+    return max(1, min(n_keys, max(2 * topk, n_keys // 8)))
+
+
+def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots=None, *, scratch=None,
+                block=None, num_warps=None, sample=None, maxnreg=None) -> None:
+    """Top-k of rows ``[row0, row0 + m_rows)`` (scores in ``scores[0:m_rows]``) into ``out`` (int32 ``[M, topk]``).
+
+    RAGGED ids, or PAGED slots ``kv_slots[t]`` when ``kv_slots`` is given, in position order.
+    ``scratch`` (int32 ``[>= m_rows, C]``, any ``C >= 1``) holds a row's candidates; allocated here
+    (``C =`` :func:`scratch_columns`) when not given.  The keyword arguments after it are tuning
+    knobs for benchmarks; none changes the result.
+    """
+    if m_rows <= 0:
+        return
+    N = scores.shape[1]
+    if scratch is None:
+        scratch = torch.empty((m_rows, scratch_columns(N, topk)), dtype=torch.int32, device=scores.device)
+    if scratch.dtype != torch.int32 or scratch.dim() != 2 or scratch.shape[0] < m_rows or scratch.stride(1) != 1:
+        raise ValueError(f"cpgraph.kernels.topk_select: scratch must be int32 [>= {m_rows}, C] with unit column "
+                         f"stride, got {scratch.dtype} {tuple(scratch.shape)}")
+    kp = max(16, min(triton.next_power_of_2(topk), 4096))
+    block = block or ((1 << 12) if interpreting() else _TUNE["SELECT_BLOCK"])
+    if block > (1 << 15) or block & (block - 1):
+        raise ValueError(f"cpgraph.kernels.topk_select: block must be a power of two <= 32768 (packed 16-bit "
+                         f"counts), got {block}")
+    sample = sample or (min(256, _TUNE["SELECT_SAMPLE"]) if interpreting() else _TUNE["SELECT_SAMPLE"])
+    paged = kv_slots is not None
+    ks, ke = ks.contiguous(), ke.contiguous()
+    cap = _TUNE["SELECT_MAXNREG"] if maxnreg is None else maxnreg
+    _select_kernel[(m_rows,)](
+        scores, ks, ke, kv_slots if paged else ks, out, scratch, row0, N, scores.stride(0), scratch.stride(0),
+        scratch.shape[1], topk,
+        KP=kp, BLOCK=block, SAMPLE=sample, PAGED=paged, LOOP_WHILE=interpreting(),
+        num_warps=num_warps or (4 if interpreting() else _TUNE["SELECT_WARPS"]),
+        **({"maxnreg": cap} if cap and not interpreting() else {}),
+    )  # fmt: skip
+
+
+__all__ = ["select_rows", "scratch_columns"]
