@@ -1,19 +1,22 @@
-"""Sparse-MLA query assembly: eager vs compiled, rotary tables inlined (before) vs stored once (after).
+"""Sparse-MLA query assembly: the ``cpgraph::mla_query`` op vs the torch composition it replaced.
 
-Times ``RotaryTable`` + ``MLAttention.query`` -- ``q_b_proj``, the W_UK
-absorption bmm, RoPE on ``q_pe`` and the ``cat`` into ``[M, H, 576]`` -- on
-the kernel-shaped DeepSeek-V3.2 attention of benchmarks/cuda_graph_bench.py
-(64 heads, kv_lora 512, rope 64).  Variants, each timed in this one run:
+Times ``RotaryTable`` + ``MLAttention.query`` -- ``q_b_proj``, the W_UK absorption, RoPE on
+``q_pe`` and the assembly into ``[M, H, 576]`` -- on DeepSeek-V3.2 attention (``--heads 128`` is
+the released size; 64 the kernel-shaped config of benchmarks/cuda_graph_bench.py; kv_lora 512,
+rope 64).  Variants, each timed in this one run:
 
-* ``eager``: the model code as written;
-* ``compiled-inline``: Inductor with the rotary tables left unstored (the old
-  behaviour: Inductor inlines ``cos``/``sin`` into the fused query kernel and
-  recomputes them per (row, head, lane));
-* ``compiled``: the model as it is (tables stored once, ``layers._stored_once``).
+* ``torch-compiled``: the previous model code (einsum + RoPE + ``cat``) under Inductor, rotary
+  tables stored once: Inductor adds one pointwise kernel that re-reads the ``[H, M, 512]`` bmm
+  output transposed and writes the concatenation;
+* ``op-eager`` / ``op-compiled``: the model as it is (``cpgraph::mla_query``; on CUDA the GEMM
+  writes straight into the final layout and a small kernel rotates the 64 RoPE lanes);
+* ``gemm-floor``: ``q_b_proj`` plus a plain contiguous bmm of the same size, the cost with no
+  assembly at all.  ``assembly ms`` = variant - floor.
 
-Figures are medians of per-call times (CUDA events on GPU, wall clock on
-CPU) and ratios within the run.  ``--device cpu`` is a dry run at small sizes.
-Also checks that both compiled variants match eager.
+Figures are medians of per-call times (CUDA events on GPU, wall clock on CPU) and ratios within
+the run; the copy rate of the same run turns the assembly's bytes into a share of HBM speed.
+``--device cpu`` is a dry run at small sizes.  Also checks that every variant matches the op's
+eager result.
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_graph_bench import KERNEL_SHAPED  # noqa: E402
 
 
-def _attention(device, dtype):
+def _attention(device, dtype, heads):
     from cpgraph.models import DSAConfig
     from cpgraph.models.attention import MLAttention
     from cpgraph.models.config import bundled_config_dict
     from cpgraph.models.layers import RotaryTable
 
-    cfg = DSAConfig.from_hf_dict(dict(bundled_config_dict("tiny-deepseek-v32"), **KERNEL_SHAPED))
+    cfg = DSAConfig.from_hf_dict(dict(bundled_config_dict("tiny-deepseek-v32"), **dict(KERNEL_SHAPED,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=1536 if heads == 128 else 512)))
     torch.manual_seed(0)
     attn = MLAttention(cfg, 0)
     for p in attn.parameters():
@@ -71,58 +75,70 @@ def _time_ms(fn, args, repeat, device) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--rows", default=None, help="comma-separated M (default 1024,8192 on CUDA, 64 on CPU)")
+    ap.add_argument("--rows", default=None, help="comma-separated M (default 8192,32768 on CUDA, 64 on CPU)")
+    ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     cpu = device.type == "cpu"
     dtype = torch.float32 if cpu else torch.bfloat16
-    rows = [int(r) for r in (args.rows or ("64" if cpu else "1024,8192")).split(",")]
-    repeat = args.repeat or (5 if cpu else 50)
+    rows = [int(r) for r in (args.rows or ("64" if cpu else "8192,32768")).split(",")]
+    repeat = args.repeat or (5 if cpu else 20)
 
-    import cpgraph.models.layers as layers
+    from cpgraph.ops.mla_query import mla_query_reference
 
-    cfg, attn, rot = _attention(device, dtype)
+    cfg, attn, rot = _attention(device, dtype, args.heads)
+    H, L, R, nope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
 
-    def query(q_lat, positions):
+    def op_query(q_lat, positions):
         cos, sin = rot(positions, q_lat.dtype)
         return attn.query(q_lat, cos, sin)
 
-    stored_once = layers._stored_once
+    def torch_query(q_lat, positions):
+        cos, sin = rot(positions, q_lat.dtype)
+        q = attn.q_b_proj(q_lat).view(q_lat.shape[0], H, nope + R)
+        return mla_query_reference(q, attn._absorbed()[0], cos, sin)
+
+    w_floor = torch.randn(H, nope, L, device=device, dtype=dtype)
+
+    def gemm_floor(q_lat, positions):
+        q = attn.q_b_proj(q_lat).view(H, q_lat.shape[0], nope + R)[:, :, :nope]
+        return torch.bmm(q, w_floor)
+
+    copy_gbs = None
+    if not cpu:
+        buf = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+        copy_ms = _time_ms(lambda: buf.clone(), (), repeat, device)
+        copy_gbs = 2 * buf.numel() * 2 / copy_ms / 1e6  # bytes read + written
+        del buf
     results = []
     with torch.no_grad():
         for m in rows:
             q_lat = torch.randn(m, cfg.q_lora_rank, device=device, dtype=dtype)
             positions = torch.arange(m, device=device) % 8192
-            ref = query(q_lat, positions)
-            row = {"rows": m, "eager_ms": _time_ms(query, (q_lat, positions), repeat, device)}
-            for name, table_fn in (("compiled_inline", lambda t: t), ("compiled", stored_once)):
-                layers._stored_once = table_fn  # RotaryTable.forward looks it up at trace time
-                try:
-                    torch._dynamo.reset()
-                    fn = torch.compile(query, fullgraph=True)
-                    out = fn(q_lat, positions)
-                    row[f"{name}_ms"] = _time_ms(fn, (q_lat, positions), repeat, device)
-                    row[f"{name}_max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
-                finally:
-                    layers._stored_once = stored_once
-            row["inline_over_stored"] = row["compiled_inline_ms"] / row["compiled_ms"]
-            row["eager_over_compiled"] = row["eager_ms"] / row["compiled_ms"]
+            ref = op_query(q_lat, positions)
+            row = {"rows": m, "op_eager_ms": _time_ms(op_query, (q_lat, positions), repeat, device),
+                   "gemm_floor_ms": _time_ms(gemm_floor, (q_lat, positions), repeat, device)}
+            for name, f in (("torch_compiled", torch_query), ("op_compiled", op_query)):
+                torch._dynamo.reset()
+                fn = torch.compile(f, fullgraph=True)
+                out = fn(q_lat, positions)
+                row[f"{name}_ms"] = _time_ms(fn, (q_lat, positions), repeat, device)
+                row[f"{name}_max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+            # What the assembly must at least move: read q's RoPE lanes, write [M, H, L + R].
+            row["assembly_torch_ms"] = row["torch_compiled_ms"] - row["gemm_floor_ms"]
+            row["assembly_op_ms"] = row["op_compiled_ms"] - row["gemm_floor_ms"]
+            row["torch_over_op"] = row["torch_compiled_ms"] / row["op_compiled_ms"]
             results.append(row)
-            print(
-                f"M={m:6d}  eager {row['eager_ms']:.3f} ms  compiled(inline tables) {row['compiled_inline_ms']:.3f} ms"
-                f"  compiled(stored tables) {row['compiled_ms']:.3f} ms  inline/stored {row['inline_over_stored']:.2f}x"
-                f"  |diff| inline {row['compiled_inline_max_abs_diff']:.2e} stored {row['compiled_max_abs_diff']:.2e}",
-                flush=True,
-            )
+            print(f"M={m:6d} H={H}  torch-compiled {row['torch_compiled_ms']:.3f} ms  op-compiled "
+                  f"{row['op_compiled_ms']:.3f} ms  op-eager {row['op_eager_ms']:.3f} ms  gemm floor "
+                  f"{row['gemm_floor_ms']:.3f} ms  -> assembly {row['assembly_torch_ms']:.3f} -> "
+                  f"{row['assembly_op_ms']:.3f} ms ({row['torch_over_op']:.2f}x whole query)  |diff| torch "
+                  f"{row['torch_compiled_max_abs_diff']:.2e} op {row['op_compiled_max_abs_diff']:.2e}", flush=True)
     out = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype),
-        "heads": cfg.num_attention_heads,
-        "kv_lora": cfg.kv_lora_rank,
-        "rope": cfg.qk_rope_head_dim,
-        "results": results,
+        "dtype": str(dtype), "heads": H, "kv_lora": L, "rope": R, "copy_gbs": copy_gbs, "results": results,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -35,6 +35,7 @@ def providers() -> dict:
     from . import moe
     from . import indexer
     from . import fp8_linear
+    from . import mla_query
 
     return {
         "take_rows": move.take_rows,
@@ -54,6 +55,7 @@ def providers() -> dict:
         "moe_experts": moe.moe_experts,
         **indexer.providers(),
         "fp8_block_linear": fp8_linear.fp8_block_linear,
+        "mla_query": mla_query.mla_query,
     }
 
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 import cpgraph.ops.codecs  # noqa: F401  (registers mla_fp8_pack / mla_dense_pack)
 import cpgraph.ops.layer_events  # noqa: F401
 import cpgraph.ops.materialize  # noqa: F401
+import cpgraph.ops.mla_query  # noqa: F401  (registers mla_query)
 import cpgraph.ops.rows  # noqa: F401
 
 from .batch import BatchMeta, KVLayout
@@ -83,17 +84,14 @@ class MLAttention(nn.Module):
         """Sparse-MLA queries ``[M, H, kv_lora + rope]`` = ``[q_nope @ W_UK | rope(q_pe)]`` from ``q_lat``.
 
         Its own method so that benchmarks/mla_query_bench.py times exactly
-        this code.  Compiled, the ``cat`` and the RoPE fuse into one pointwise
-        kernel over ``[M, H, L + R]``; it stays memory-bound only because the
-        rotary tables arrive stored (see ``layers._stored_once``).
+        this code.  ``cpgraph::mla_query`` is one op so that the GPU provider's
+        absorption GEMM writes straight into the ``[M, H, L + R]`` layout
+        (cpgraph/ops/mla_query.py says why).
         """
         M = q_lat.shape[0]
         w_uk, _ = self._absorbed()
         q = self.q_b_proj(q_lat).view(M, self.num_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_pe = rope_interleaved(q_pe, cos, sin)
-        q_abs = torch.einsum("mhn,hnl->mhl", q_nope, w_uk)
-        return torch.cat((q_abs, q_pe), dim=-1)
+        return _ops.mla_query(q, w_uk, cos, sin)
 
     def forward(
         self,

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cpgraph.ops.mla_query import rope_interleaved  # noqa: F401  (re-exported: the models' RoPE)
+
 from .config import RopeConfig
 
 
@@ -144,21 +146,6 @@ class RotaryTable(nn.Module):
         cos = angles.cos() * self.amplitude
         sin = angles.sin() * self.amplitude
         return _stored_once(cos.to(dtype)), _stored_once(sin.to(dtype))
-
-
-def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs ``(x[2i], x[2i+1])`` by angle ``i``; output keeps the interleaved layout.
-
-    ``x``: ``[M, ..., dim]``; ``cos``/``sin``: ``[M, dim/2]``.  transformers
-    returns the same values de-interleaved (``[evens | odds]``); both layouts
-    give identical dot products, and this one is what serving engines cache.
-    """
-    shape = x.shape
-    pairs = x.reshape(*shape[:-1], shape[-1] // 2, 2)
-    c = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), cos.shape[-1])
-    s = sin.view(sin.shape[0], *([1] * (x.dim() - 2)), sin.shape[-1])
-    a, b = pairs[..., 0], pairs[..., 1]
-    return torch.stack((a * c - b * s, b * c + a * s), dim=-1).reshape(shape)
 
 
 def rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

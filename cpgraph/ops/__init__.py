@@ -7,7 +7,7 @@ a contract docstring, and an entry in ``docs/ops.md``.
 
 from . import codecs, collectives, indexer, layer_events, materialize, paged, rows, sparse_mla  # noqa: F401
 from . import expert_parallel, moe  # noqa: F401
-from . import fp8_linear, row_scope  # noqa: F401
+from . import fp8_linear, mla_query, row_scope  # noqa: F401
 from .providers import active_provider, register_provider, select, unregister_provider
 
 __all__ = ["register_provider", "unregister_provider", "select", "active_provider"]
