@@ -273,17 +273,17 @@ def test_gpu_fp8_linear_counts_scaled_mm_triton_and_the_fallback(monkeypatch, ca
     from cpgraph.kernels import fp8_linear as kernel
 
     monkeypatch.setenv(kernel.BACKEND_ENV, "auto")
-    x = torch.randn(8, 256, device="cuda").bfloat16()
-    w256 = (torch.randn(256, 256, device="cuda") * 50).to(torch.float8_e4m3fn)
-    w576 = (torch.randn(576, 256, device="cuda") * 50).to(torch.float8_e4m3fn)
-    ws = lambda n: torch.full((-(-n // 128), 2), 1e-3, device="cuda")  # noqa: E731
+    x = torch.randn(64, 512, device="cuda").bfloat16()  # K / 128 = 4 weight-scale columns: no padding
+    w256 = (torch.randn(256, 512, device="cuda") * 50).to(torch.float8_e4m3fn)
+    w576 = (torch.randn(576, 512, device="cuda") * 50).to(torch.float8_e4m3fn)
+    ws = lambda n: torch.full((-(-n // 128), 4), 1e-3, device="cuda")  # noqa: E731
     ledger.forget("fp8_block_linear", "cuda")
     ops.fp8_block_linear(x, w256, ws(256), 128, 128, False)
     ops.fp8_block_linear(x, w576, ws(576), 128, 128, False)
     machine = kernel.scaled_mm_reason(x, w256, 128, 128)
     got = counts("fp8_block_linear", "cuda")
     if machine is None:  # scaled_mm applies on this machine: N = 576 is the documented Triton split
-        assert sorted(got) == [("scaled_mm", 1, None), ("triton", 1, "N=576 and K=256 must be multiples of 128")]
+        assert sorted(got) == [("scaled_mm", 1, None), ("triton", 1, "N=576 and K=512 must be multiples of 128")]
     else:
         assert got == [("triton", 2, machine)]
     reason = "torch has no torch.nn.functional.scaled_mm with BlockWise128x128"
