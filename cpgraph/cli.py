@@ -220,18 +220,26 @@ def _run_payload(args, prompts: _Prompts, prefix, logits, top, **extra) -> dict:
             "kv_format": args.kv_format, "prefix_lens": prefix, **_text_payload(prompts, top), **extra}
 
 
-def _print_providers(device_type: str, table: dict[str, str]) -> None:
-    """One block: the cpgraph ops that ran, grouped by the provider that computed them."""
-    by: dict[str, list[str]] = {}
-    for op, name in sorted(table.items()):
-        by.setdefault(name, []).append(op)
-    if not by:
+def _print_providers(device_type: str, calls: dict[str, list[dict]], graph_replays: int = 0) -> None:
+    """One block: per cpgraph op that ran, the implementations that computed its calls, with counts and reasons."""
+    from cpgraph.ops.ledger import describe
+
+    if not calls:
         print(f"op providers on {device_type}: no cpgraph op ran")
         return
-    print(f"op providers on {device_type} ({len(table)} cpgraph ops ran; CPGRAPH_PROVIDERS=reference forces the "
-          f"torch references):")
-    for name, ops in sorted(by.items()):
-        print(f"  {name}: {', '.join(ops)}")
+    print(f"op providers on {device_type} ({len(calls)} cpgraph ops ran; calls per implementation that computed "
+          f"them, eager and compiled; CPGRAPH_PROVIDERS=reference forces the torch references):")
+    for op, rows in calls.items():
+        print(f"  {op}: {describe(rows)}")
+    if graph_replays:
+        print(f"  + {graph_replays} CUDA-graph replay(s), not counted above: a replay runs no Python; it re-runs "
+              f"the kernels its capture recorded (the warm-up and capture calls are counted)")
+
+
+def _graph_replays(forward) -> int:
+    """Replays of captured CUDA graphs behind a ``graphed_forward`` (no Python ran for them: not in the counts)."""
+    return sum(s["replays"] for r in getattr(forward, "runners", {}).values() for s in r.capture_report()
+               if s["captured"])
 
 
 def _is_bundled(model) -> bool:
@@ -291,9 +299,10 @@ def _run_single(args, model, prompts: _Prompts, prefix, progress) -> int:
     import torch
 
     from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, prefill
-    from cpgraph.ops.providers import selected
+    from cpgraph.ops.providers import calls, reset_calls, selected
     from cpgraph.runtime.engine import weight_bytes_per_rank
 
+    reset_calls()  # the report covers this run's calls only
     ids = prompts.ids
     bs = args.batch_size if args.batch_size is not None else len(ids)
     logits, kv_bytes, draft_logits, sampled = [], 0, [], []
@@ -327,12 +336,12 @@ def _run_single(args, model, prompts: _Prompts, prefix, progress) -> int:
         f"{len(ids)} prompts, {tokens} tokens in {elapsed:.3f} s ({tokens / max(elapsed, 1e-9):.0f} tok/s); "
         f"KV cache {args.kv_format}: {kv_bytes} bytes used (largest batch); weights: {weight_bytes} bytes"
     )
-    providers = selected(model.device.type)
-    _print_providers(model.device.type, providers)
+    providers, op_calls = selected(model.device.type), calls(model.device.type)
+    _print_providers(model.device.type, op_calls)
     if args.json:
         payload = _run_payload(args, prompts, prefix, out, top, kv_bytes=kv_bytes, weight_bytes=weight_bytes,
-                               weights=args.weights or "dequantize", device=args.device, providers=providers, seconds=elapsed,
-                               **draft_extra)
+                               weights=args.weights or "dequantize", device=args.device, providers=providers,
+                               provider_calls=op_calls, seconds=elapsed, **draft_extra)
         _write_json(args.json, payload, progress)
     return 0
 
@@ -382,10 +391,11 @@ def _cache_kwargs(args) -> dict:
 def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
     """``cpgraph run --cache`` on one device: the prompts twice through the radix cache."""
     from cpgraph.models.prefill import DEFAULT_PAGE_SIZE, make_layout
-    from cpgraph.ops.providers import selected
+    from cpgraph.ops.providers import calls, reset_calls, selected
     from cpgraph.runtime.cache_engine import CacheEngine, default_capacity, run_twice
     from cpgraph.runtime.engine import weight_bytes_per_rank
 
+    reset_calls()  # the report covers this run's calls only
     layout = make_layout(model, args.kv_format, DEFAULT_PAGE_SIZE)
 
     def forward(ids, meta, mla, index, **kw):
@@ -404,14 +414,15 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
     ok = _print_cache(out["hits"], out["evicted_pages"], out["load_misses"], second, first)
     weight_bytes = weight_bytes_per_rank(model)
     print(f"KV cache {args.kv_format}: {engine.pool.total_bytes()} bytes allocated; weights: {weight_bytes} bytes")
-    providers = selected(model.device.type)
-    _print_providers(model.device.type, providers)
+    providers, op_calls, replays = selected(model.device.type), calls(model.device.type), _graph_replays(forward)
+    _print_providers(model.device.type, op_calls, replays)
     if args.json:
         payload = {"logits": first.tolist(), "second_pass_logits": second.tolist(), "tokens": prompts.ids,
                    "top_ids": top, "model": str(args.model), "kv_format": args.kv_format, "hits": out["hits"],
                    "evicted_pages": out["evicted_pages"], "hicache": out["hicache"], "weight_bytes": weight_bytes,
                    "kv_pool_bytes": engine.pool.total_bytes(), "weights": args.weights or "dequantize",
-                   "device": args.device, "providers": providers, **_text_payload(prompts, top)}
+                   "device": args.device, "providers": providers, "provider_calls": op_calls,
+                   "cuda_graph_replays": replays, **_text_payload(prompts, top)}
         _write_json(args.json, payload, progress)
     return 0 if ok else 1
 
@@ -461,11 +472,12 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     for r, (b, n, w) in enumerate(zip(res.kv_bytes_per_rank, res.pages_per_rank, res.weight_bytes_per_rank)):
         print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(res.replicated_bytes, 1):.3f} of a replicated cache "
               f"({res.replicated_bytes} bytes); weights {w} bytes")
-    _print_providers(args.device, res.providers)
+    _print_providers(args.device, res.provider_calls)
     if args.json:
         payload = _run_payload(args, prompts, prefix, out, top, cp=args.cp, device=args.device, backend=backend,
                                max_abs_diff_vs_single_device=diff, kv_bytes_per_rank=res.kv_bytes_per_rank,
                                weight_bytes_per_rank=res.weight_bytes_per_rank, providers=res.providers,
+                               provider_calls=res.provider_calls,
                                weights=args.weights or "dequantize",
                                replicated_kv_bytes=res.replicated_bytes, seconds=res.seconds,
                                computed_tokens=res.tokens_computed, cached_tokens=res.tokens_cached, **draft_extra)
@@ -642,15 +654,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, default=None, help="prompts per forward, >= 1 (default: all at once)")
     r.add_argument("--top", type=int, default=5, help="how many top token ids to print per prompt (default 5)")
     r.add_argument("--json", default=None, metavar="OUT",
-                   help="write logits, tokens, top_ids, KV and weight bytes (per rank with --cp) and providers "
-                        "({op: provider}) to OUT; text prompts add texts and top_text (the top ids decoded)")
+                   help="write logits, tokens, top_ids, KV and weight bytes (per rank with --cp), providers "
+                        "({op: implementations that computed it}) and provider_calls ({op: [{implementation, calls, "
+                        "reason}]}) to OUT; text prompts add texts and top_text (the top ids decoded)")
     r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     r.add_argument("--cp", type=int, default=None,
                    help="context-parallel run on N ranks (compiled with the CP passes), compared with one device")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu, or cuda: the model on a GPU, cpgraph ops on the CUDA providers cpgraph.kernels "
-                        "registers (the run prints which provider computed each op); with --cp: cpu = gloo ranks, "
-                        "cuda = NCCL with one rank per GPU (default cpu)")
+                        "registers (the run prints, per op, which implementation computed how many calls and why); "
+                        "with --cp: cpu = gloo ranks, cuda = NCCL with one rank per GPU (default cpu)")
     r.add_argument("--backend", choices=("inductor", "aot_eager"), default=None,
                    help="with --cp: torch.compile backend for the CP forward (default inductor; aot_eager skips "
                         "code generation and is the fast correctness check)")

@@ -47,7 +47,7 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     model = from_pretrained(ckpt)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert f"; weights {weights} bytes" in text  # no expert parallelism: each rank holds the whole model
-    assert text.count("op providers on cpu") == 1 and "  reference: " in text
+    assert text.count("op providers on cpu") == 1 and "  sparse_mla: reference " in text
     assert "283 tokens computed" in text
     # progress: each rank's compile, then rank 0's timed passes, in order
     err = captured.err
@@ -64,6 +64,10 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     # the CP forward's ops, with the row compaction the CP passes add (a one-device run has none), all references here
     assert {"sparse_mla", "paged_store", "compact_valid_static", "restore_compute_static"} <= data["providers"].keys()
     assert set(data["providers"].values()) == {"reference"}
+    # rank 0's calls (the compile run and the timed run): each op's calls computed by its reference, no fallback
+    assert data["provider_calls"].keys() == data["providers"].keys()
+    assert all([r["implementation"] for r in rows] == ["reference"] and rows[0]["calls"] >= 2 and rows[0]["reason"] is None
+               for rows in data["provider_calls"].values())
 
 
 @pytest.mark.slow

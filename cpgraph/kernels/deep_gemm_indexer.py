@@ -105,7 +105,10 @@ def indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes, k_scale=None):
     from . import indexer as triton_indexer
     from cpgraph.ops.indexer import logits_chunk_rows
 
-    if k_scale is None:
+    if k_scale is None:  # by design: DeepGEMM scores the FP8 form only
+        from cpgraph.ops import ledger
+
+        ledger.ran_as("indexer_topk", q.device.type, "triton", "the bf16 form (DeepGEMM scores FP8 only)")
         return triton_indexer.indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes)
     M, N = q.shape[0], k.shape[0]
     out = torch.empty((M, topk), dtype=torch.int32, device=q.device)

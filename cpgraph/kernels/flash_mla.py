@@ -6,12 +6,17 @@ op's contract for the shapes it takes (the op's ``kv [N, D]`` and ``idx
 [M, topk]`` are views of its operands).  On SM90 it is the fastest
 implementation we have, so when the package imports it becomes the
 ``"cuda"`` provider, named ``"flash_mla"``; every call it refuses goes to
-cpgraph's Triton kernel (:mod:`cpgraph.kernels.sparse_mla`), logged once
-per reason:
+cpgraph's Triton kernel (:mod:`cpgraph.kernels.sparse_mla`), counted under
+``triton`` with the reason in the provider report
+(:mod:`cpgraph.ops.ledger`) and logged at WARNING once per reason:
 
 * not bf16, ``D != 576``, ``d_v != 512``, ``H`` not 64 or 128;
 * ``topk`` not a multiple of 128 (an SM90 requirement of the kernel);
 * a device that is not SM90 (the legacy kernels are Hopper only).
+
+An empty batch or key set also goes to the Triton kernel (it writes the
+empty-row result without launching FlashMLA); that is counted, logged at
+INFO only.
 
 Where FlashMLA's contract differs from the op's, this module adapts it:
 
@@ -36,6 +41,10 @@ import logging
 
 import torch
 
+from cpgraph.ops import ledger
+
+from . import PROVIDER_NAME as TRITON  # the refused calls' implementation
+
 log = logging.getLogger("cpgraph.kernels")
 
 PROVIDER_NAME = "flash_mla"
@@ -44,6 +53,7 @@ _HEADS = (64, 128)
 _TOPK_MULTIPLE = 128
 _D = 576
 _D_V = 512
+EMPTY = "an empty batch or key set"
 
 _flash = None
 _IMPORT_ERROR: str | None = None
@@ -89,22 +99,26 @@ def _is_sm90(device: torch.device) -> bool:
 
 
 def refusal(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int) -> str | None:
-    """Why FlashMLA cannot take this call (``None`` if it can); shape/dtype facts only, no sync."""
+    """Why FlashMLA cannot take this call (``None`` if it can); shape/dtype facts only, no sync.
+
+    The reasons name static facts (dtype, widths, top-k, the device), so a
+    run has one report entry per reason, not one per batch.
+    """
     if q.device.type != "cuda":
-        return f"device {q.device.type}"
+        return f"a {q.device.type} device (FlashMLA runs on CUDA)"
     if q.dtype != torch.bfloat16:
-        return f"{q.dtype} operands"
+        return f"{q.dtype} operands (FlashMLA takes bf16)"
     if q.shape[2] != _D or d_v != _D_V:
-        return f"D={q.shape[2]}, d_v={d_v} (needs 576 / 512)"
+        return f"D={q.shape[2]}, d_v={d_v} (FlashMLA takes 576 / 512)"
     if q.shape[1] not in _HEADS:
-        return f"H={q.shape[1]} (needs 64 or 128)"
+        return f"H={q.shape[1]} heads (FlashMLA takes 64 or 128)"
     topk = idx.shape[1]
     if topk == 0 or topk % _TOPK_MULTIPLE:
-        return f"topk={topk} (needs a positive multiple of {_TOPK_MULTIPLE})"
+        return f"top-k {topk} is not a positive multiple of {_TOPK_MULTIPLE}"
     if q.shape[0] == 0 or kv.shape[0] == 0:
-        return "an empty batch or key set"
+        return EMPTY
     if not _is_sm90(q.device):
-        return "a non-SM90 device"
+        return "a non-SM90 GPU (FlashMLA's sparse prefill kernels are Hopper only)"
     return None
 
 
@@ -127,7 +141,10 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: f
 
     reason = refusal(q, kv, idx, d_v)
     if reason is not None:
-        _log_once("cpgraph.kernels: sparse_mla call goes to the Triton kernel, FlashMLA does not take %s", reason)
+        if reason == EMPTY:
+            ledger.ran_as("sparse_mla", q.device.type, TRITON, reason)
+        else:
+            ledger.fell_back("sparse_mla", q.device.type, TRITON, reason, instead_of=PROVIDER_NAME)
         return triton_sparse_mla.sparse_mla(q, kv, idx, sm_scale, d_v)
     out, _, lse = _flash.flash_mla_sparse_fwd(
         q if q.stride(-1) == 1 else q.contiguous(),

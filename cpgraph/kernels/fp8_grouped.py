@@ -31,24 +31,23 @@ own inputs.  See docs/ops/fp8_linear.md.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from cpgraph.ops import ledger
 from cpgraph.ops.fp8_linear import ceil_div
 from cpgraph.ops.moe import dispatch_plan, moe_experts_fp8_reference
+from cpgraph.ops.providers import REFERENCE
 
+from . import PROVIDER_NAME
 from ._bits import KIND_BF16, KIND_F16, KIND_F32, load_f32, store_f32_as
 from ._launch import interpreting
 from .fp8_linear import _k_step, quantize_activations, quantize_group, store_e4m3
 from .moe import combine
 
-log = logging.getLogger("cpgraph.kernels")
 _KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
-_WARNED: set[str] = set()
 
 
 @triton.jit
@@ -213,10 +212,8 @@ def moe_experts_fp8(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale
                     block_k: int, act_scale_pow2: bool) -> Tensor:
     """FP8 routed experts: quantise, grouped gate/up GEMM, SwiGLU + quant, grouped down GEMM, combine."""
     if block_k & (block_k - 1) or not 32 <= block_k <= 256:
-        if "block_k" not in _WARNED:
-            _WARNED.add("block_k")
-            log.warning("cpgraph::moe_experts: FP8 block_k=%d is not a power of two in [32, 256]; running the "
-                        "dense reference", block_k)
+        ledger.fell_back("moe_experts", x.device.type, REFERENCE,
+                         f"FP8 block_k={block_k} is not a power of two in [32, 256]", instead_of=PROVIDER_NAME)
         return moe_experts_fp8_reference(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale,
                                          block_n, block_k, act_scale_pow2)
     m, k = topk_ids.shape

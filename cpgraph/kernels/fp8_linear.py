@@ -20,37 +20,35 @@ Two steps, both without host syncs and with static shapes (CUDA-graph safe):
      ``K``, ``block_n``; ``block_k`` a power of two in [32, 256].
 
 ``CPGRAPH_FP8_LINEAR=auto|scaled_mm|triton`` picks the GEMM (default
-``auto``: ``scaled_mm`` where it applies, else ``triton``); the choice is
-logged once per GEMM kind.  Forcing ``scaled_mm`` where it does not apply
-raises instead of falling back.  See docs/ops/fp8_linear.md.
+``auto``: ``scaled_mm`` where it applies, else ``triton``).  Each call is
+counted under the GEMM that ran (``scaled_mm`` or ``triton``, with the
+reason scaled_mm did not apply) in the provider report
+(:mod:`cpgraph.ops.ledger`).  Where the machine rules ``scaled_mm`` out
+(torch without it, not SM90, CUDA < 12.9) that is a fallback, logged at
+WARNING once; where the operands do (``kv_a_proj_with_mqa``'s N = 576, block
+sizes, activations not bf16) it is the documented split, logged at INFO
+once.  Forcing ``scaled_mm`` where it does not apply raises instead of
+falling back.  See docs/ops/fp8_linear.md.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from cpgraph.ops import ledger
 from cpgraph.ops.fp8_linear import check_fp8_block_linear, ceil_div
 
 from ._bits import KIND_BF16, KIND_F16, KIND_F32, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
 from ._launch import interpreting
 
-log = logging.getLogger("cpgraph.kernels")
-
 BACKEND_ENV = "CPGRAPH_FP8_LINEAR"
 BACKENDS = ("auto", "scaled_mm", "triton")
 _KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
-_LOGGED: set[str] = set()
-
-
-def _log_once(key: str, msg: str, *args) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log.info(msg, *args)
+OP = "fp8_block_linear"
 
 
 # ------------------------------------------------------ activation quant
@@ -246,8 +244,8 @@ def scaled_mm_available() -> bool:
     return hasattr(F, "scaled_mm") and kinds is not None and hasattr(kinds, "BlockWise128x128")
 
 
-def scaled_mm_reason(x, w, block_n: int, block_k: int) -> str | None:
-    """``None`` when :func:`scaled_mm_gemm` applies to these operands, else why not (static facts only)."""
+def _machine_reason(x) -> str | None:
+    """Why this machine cannot run :func:`scaled_mm_gemm` at all (``None`` if it can)."""
     if not scaled_mm_available():
         return "torch has no torch.nn.functional.scaled_mm with BlockWise128x128"
     if x.device.type != "cuda":
@@ -257,6 +255,11 @@ def scaled_mm_reason(x, w, block_n: int, block_k: int) -> str | None:
     cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
     if cuda < (12, 9):
         return f"blockwise scaling needs CUDA >= 12.9, torch is built with {torch.version.cuda}"
+    return None
+
+
+def _operand_reason(x, w, block_n: int, block_k: int) -> str | None:
+    """Why these operands do not fit :func:`scaled_mm_gemm` (``None`` if they do)."""
     if (block_n, block_k) != (128, 128):
         return f"block {block_n}x{block_k} is not 128x128"
     n, k = w.shape
@@ -265,6 +268,11 @@ def scaled_mm_reason(x, w, block_n: int, block_k: int) -> str | None:
     if x.dtype != torch.bfloat16:
         return f"activations are {x.dtype}, not bfloat16"
     return None
+
+
+def scaled_mm_reason(x, w, block_n: int, block_k: int) -> str | None:
+    """``None`` when :func:`scaled_mm_gemm` applies to these operands, else why not (static facts only)."""
+    return _machine_reason(x) or _operand_reason(x, w, block_n, block_k)
 
 
 def scaled_mm_gemm(xq, xs, w, ws, out_dtype):
@@ -289,17 +297,25 @@ def backend() -> str:
 
 
 def fp8_block_linear(x, weight, weight_scale_inv, block_n: int, block_k: int, act_scale_pow2: bool):
-    """Provider: quantise activations (Triton), then the GEMM ``CPGRAPH_FP8_LINEAR`` selects."""
+    """Provider: quantise activations (Triton), then the GEMM ``CPGRAPH_FP8_LINEAR`` selects (counted per call)."""
     check_fp8_block_linear(x, weight, weight_scale_inv, block_n, block_k)
     choice = backend()
-    why_not = scaled_mm_reason(x, weight, block_n, block_k) if choice != "triton" else "forced triton"
-    if choice == "scaled_mm" and why_not is not None:
-        raise ValueError(f"cpgraph.fp8_block_linear: {BACKEND_ENV}=scaled_mm but {why_not}")
-    if why_not is None:
-        _log_once("scaled_mm", "cpgraph::fp8_block_linear GEMM: torch scaled_mm (blockwise 1x128 / 128x128)")
-        xq, xs = quantize_activations(x, block_k, act_scale_pow2, scales_column_major=True)
-        return scaled_mm_gemm(xq, xs, weight, weight_scale_inv, x.dtype)
-    _log_once(f"triton:{why_not}", "cpgraph::fp8_block_linear GEMM: Triton (%s)", why_not)
+    device = x.device.type
+    if choice == "triton":
+        ledger.ran_as(OP, device, "triton", f"{BACKEND_ENV}=triton")
+    else:
+        machine = _machine_reason(x)
+        why_not = machine or _operand_reason(x, weight, block_n, block_k)
+        if choice == "scaled_mm" and why_not is not None:
+            raise ValueError(f"cpgraph.fp8_block_linear: {BACKEND_ENV}=scaled_mm but {why_not}")
+        if why_not is None:
+            ledger.ran_as(OP, device, "scaled_mm")
+            xq, xs = quantize_activations(x, block_k, act_scale_pow2, scales_column_major=True)
+            return scaled_mm_gemm(xq, xs, weight, weight_scale_inv, x.dtype)
+        if machine is not None and device == "cuda":
+            ledger.fell_back(OP, device, "triton", why_not, instead_of="scaled_mm")
+        else:
+            ledger.ran_as(OP, device, "triton", why_not)
     xq, xs = quantize_activations(x, block_k, act_scale_pow2)
     return block_scaled_gemm(xq, xs, weight, weight_scale_inv, block_n, block_k, x.dtype)
 

@@ -15,25 +15,24 @@ FP8 experts (e4m3 stacks with block scales) take the Triton grouped FP8
 GEMM of :mod:`.fp8_grouped` instead.
 
 Operands the grouped GEMM does not take (fp32 or fp16 on CUDA, row strides
-not 16-byte aligned) run the dense reference; that choice is logged once per
-reason, never silent.
+not 16-byte aligned) run the dense reference; the call is counted under
+``reference`` with the reason in the provider report
+(:mod:`cpgraph.ops.ledger`) and logged at WARNING once per reason.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from cpgraph.ops import ledger
 from cpgraph.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_reference
+from cpgraph.ops.providers import REFERENCE
 
+from . import PROVIDER_NAME
 from ._launch import Launcher, interpreting
-
-log = logging.getLogger("cpgraph.kernels")
-_WARNED: set[tuple] = set()
 
 
 @triton.jit
@@ -96,6 +95,18 @@ def combine(y_sorted: Tensor, slot_pos: Tensor, topk_w: Tensor, out_dtype: torch
     return out
 
 
+def grouped_mm_refusal(x: Tensor, gate_up: Tensor) -> str:
+    """Why :func:`~cpgraph.ops.moe.grouped_mm_supported` is false for these operands (for the report)."""
+    if x.device.type == "cuda" and not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm"
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return f"{x.dtype} operands (torch._grouped_mm takes bf16 on CUDA)"
+    if x.device.type not in ("cuda", "cpu") or x.dtype not in (torch.float32, torch.bfloat16):
+        return f"{x.dtype} operands on {x.device.type} (torch._grouped_mm takes bf16, or fp32 on CPU)"
+    return (f"H={x.shape[1]}, 2I={gate_up.shape[1]} {x.dtype} rows are not 16-byte aligned "
+            "(torch._grouped_mm needs aligned row strides)")
+
+
 def moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None, gate_up_scale=None, down_scale=None,
                 block_n=128, block_k=128, act_scale_pow2=False) -> Tensor:
     """Provider: grouped GEMMs + Triton combine where ``torch._grouped_mm`` takes the operands.
@@ -108,16 +119,10 @@ def moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None, gate_up_scal
         return moe_experts_fp8(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale,
                                block_n, block_k, act_scale_pow2)
     if not grouped_mm_supported(x, gate_up):
-        key = (x.device.type, x.dtype, x.shape[1] % 8, gate_up.shape[1] % 16)
-        if key not in _WARNED:
-            _WARNED.add(key)
-            log.warning(
-                "cpgraph::moe_experts: torch._grouped_mm does not take %s %s operands (H=%d, 2I=%d); "
-                "running the dense reference",
-                x.device.type, x.dtype, x.shape[1], gate_up.shape[1],
-            )  # fmt: skip
+        ledger.fell_back("moe_experts", x.device.type, REFERENCE, grouped_mm_refusal(x, gate_up),
+                         instead_of=PROVIDER_NAME)
         return moe_experts_reference(x, topk_ids, topk_w, gate_up, down, num_valid)
     return moe_experts_grouped(x, topk_ids, topk_w, gate_up, down, num_valid, combine=combine)
 
 
-__all__ = ["combine", "moe_experts"]
+__all__ = ["combine", "grouped_mm_refusal", "moe_experts"]

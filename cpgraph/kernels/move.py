@@ -389,11 +389,19 @@ def paged_store(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
     """Provider of ``cpgraph::paged_store``: scatter rows into the pool, skipping ``-1``.
 
     A pool whose rows are not contiguous (never the case for pools the
-    runtime allocates) takes the reference path, explicitly.
+    runtime allocates) takes the reference path: the kernel writes through
+    the pool's storage, and a contiguous copy would swallow the writes.
+    Counted and warned once (:mod:`cpgraph.ops.ledger`).
     """
     if not _rows_contiguous(pool):
+        from cpgraph.ops import ledger
         from cpgraph.ops.paged import paged_store_reference
+        from cpgraph.ops.providers import REFERENCE
 
+        from . import PROVIDER_NAME
+
+        ledger.fell_back("paged_store", pool.device.type, REFERENCE, "a pool whose rows are not contiguous",
+                         instead_of=PROVIDER_NAME)
         return paged_store_reference(pool, rows, slots)
     scatter_rows(pool, rows, slots)
 

@@ -34,13 +34,13 @@ registered only when ``CPGRAPH_RERANGE=p2p`` (``cpgraph.kernels`` does it at
 import; the provider registry logs the choice once).  The provider needs
 the runs of the ``rerange_index`` it is given: attach them once per batch
 with :func:`attach_runs`; a call without attached runs takes the all-gather
-path (logged once).  The result equals the all-gather path bit for bit
+path (counted as ``reference`` with the reason in the provider report, a
+WARNING once: :mod:`cpgraph.ops.ledger`).  The result equals the all-gather path bit for bit
 (both only copy bytes).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import weakref
 from typing import Sequence
@@ -49,7 +49,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("cpgraph.kernels")
 
 Run = tuple[int, int, int, int]  # (src_rank, src_row, dst_row, length)
 # Where this rank's own rows are placed relative to the transfer (CUDA): "overlap" (side stream,
@@ -290,7 +289,6 @@ def _place_peers(staging, out, runs, rank: int, m: int, index) -> None:
 # id(tensor) -> (weak reference, runs); keyed by identity because a tensor's
 # ``==`` is elementwise (a WeakKeyDictionary would compare tensors by value).
 _RUNS: dict[int, tuple] = {}
-_WARNED: set = set()
 
 
 def attach_runs(rerange_index: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
@@ -313,9 +311,11 @@ def cp_rerange_p2p(rows: torch.Tensor, rerange_index: torch.Tensor, group_name: 
 
     runs = attached_runs(rerange_index)
     if runs is None:
-        if "no-runs" not in _WARNED:
-            _WARNED.add("no-runs")
-            log.warning("cpgraph::cp_rerange p2p: no runs attached to rerange_index; using the all-gather path")
+        from cpgraph.ops import ledger
+        from cpgraph.ops.providers import REFERENCE
+
+        ledger.fell_back("cp_rerange", rows.device.type, REFERENCE,
+                         "no host runs attached to rerange_index (the all-gather form)", instead_of=PROVIDER_NAME)
         return cp_rerange_decomposed(rows, rerange_index, group_name, world_size)
     group = resolve_group("cp_rerange", group_name, world_size)
     return rerange_p2p(rows, runs, group, num_out=rerange_index.shape[0], rerange_index=rerange_index)
@@ -390,14 +390,17 @@ def cp_rerange_p2p_blocks(
         resolve_group,
     )
 
-    if rerange_payload_bytes(rows) < min_bytes:
+    from cpgraph.ops import ledger
+
+    if rerange_payload_bytes(rows) < min_bytes:  # by design: small messages are faster through the all-gather
+        ledger.ran_as("cp_rerange_p2p", rows.device.type, ALL_GATHER, "payload below min_bytes")
         return cp_rerange_decomposed(rows, rerange_index, group_name, world_size)
     group = resolve_group("cp_rerange_p2p", group_name, world_size)
-    if rows.is_cuda and group_backend(group_name, "cuda") not in RERANGE_P2P_BACKENDS:
+    backend = group_backend(group_name, "cuda") if rows.is_cuda else None
+    if rows.is_cuda and backend not in RERANGE_P2P_BACKENDS:
         # A cached graph lowered for NCCL run on another backend: same bytes through the all-gather form.
-        if "backend" not in _WARNED:
-            _WARNED.add("backend")
-            log.warning("cpgraph::cp_rerange_p2p: group %r is not NCCL; using the all-gather path", group_name)
+        ledger.fell_back("cp_rerange_p2p", rows.device.type, ALL_GATHER, f"a {backend} group, not NCCL",
+                         instead_of=BLOCK_PROVIDER_NAME)
         return cp_rerange_decomposed(rows, rerange_index, group_name, world_size)
     return exchange_and_place(rows, rerange_index, group)
 
@@ -412,5 +415,6 @@ def register_block_provider(device_types=("cuda",)) -> None:
 
 
 BLOCK_PROVIDER_NAME = "p2p_blocks"
+ALL_GATHER = "all_gather"  # the report's name for cp_rerange_decomposed run by the P2P providers
 # Registered on import: ``cpgraph.kernels`` imports this module when it registers its providers.
 register_block_provider()

@@ -38,22 +38,23 @@ the dots run in fp32 (the interpreter has no bf16 matrix product) and the
 loops are ``while`` loops (it cannot take a runtime ``range`` bound).
 
 Shapes the kernel does not take (``d_v`` or ``D - d_v`` not a power of two
->= 16, fp32 operands) go to the torch reference; the fallback is logged once
-per reason.  See ``docs/ops/sparse_mla.md``.
+>= 16, fp32 operands) go to the torch reference; the call is counted under
+``reference`` with the reason in the provider report (:mod:`cpgraph.ops.ledger`)
+and logged at WARNING once per reason.  See ``docs/ops/sparse_mla.md``.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
+from cpgraph.ops import ledger
+from cpgraph.ops.providers import REFERENCE
+
+from . import PROVIDER_NAME
 from ._bits import e4m3_to_f32_fast
 from ._launch import interpreting
-
-log = logging.getLogger("cpgraph.kernels")
 
 # Tile configuration on CUDA (tuned on the H200, see docs/ops/sparse_mla.md).
 HEAD_BLOCK = 64
@@ -69,15 +70,8 @@ SCAN = 1024
 
 _LOG2E = 1.4426950408889634  # scores are scaled into base 2 once, inside the dot epilogue
 
-_FALLBACK_LOGGED: set[str] = set()
 # (kv_fp8, head block, BLOCK_N, warps, stages) -> compiled kernel, for kernel_metadata().
 COMPILED: dict = {}
-
-
-def _log_fallback(reason: str) -> None:
-    if reason not in _FALLBACK_LOGGED:
-        _FALLBACK_LOGGED.add(reason)
-        log.info("cpgraph.kernels: sparse_mla uses the torch reference for %s", reason)
 
 
 @triton.jit
@@ -294,7 +288,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: f
     if reason is not None:
         from cpgraph.ops.sparse_mla import sparse_mla_reference
 
-        _log_fallback(reason)
+        ledger.fell_back("sparse_mla", q.device.type, REFERENCE, reason, instead_of=PROVIDER_NAME)
         return sparse_mla_reference(q, kv, idx, sm_scale, d_v)
     q = _rows_last_contiguous(q)
     kv = _rows_last_contiguous(kv)
@@ -309,7 +303,8 @@ def sparse_mla_fp8(q: torch.Tensor, records: torch.Tensor, idx: torch.Tensor, sm
     if q.dtype != torch.bfloat16:
         from cpgraph.ops.sparse_mla import sparse_mla_fp8_reference
 
-        _log_fallback(f"FP8 records with {q.dtype} queries (the kernel takes bf16)")
+        ledger.fell_back("sparse_mla_fp8", q.device.type, REFERENCE, f"{q.dtype} queries (the kernel takes bf16)",
+                         instead_of=PROVIDER_NAME)
         return sparse_mla_fp8_reference(q, records, idx, sm_scale, d_v)
     q = _rows_last_contiguous(q)
     idx = _rows_last_contiguous(idx)

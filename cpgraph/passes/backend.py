@@ -18,6 +18,16 @@ gives dims of equal size one symbol, so a pool whose row count happens to
 equal a record width gets a graph specialized to it and recompiles on the
 next batch.  Both are applied per call (not process-wide): the caller's own
 ``torch.compile`` settings stay as they were.
+
+The compiled callable is an inference forward: it runs under
+``torch.no_grad()`` whatever the caller's grad mode.  Why: cpgraph compiles
+a prefill, which has no backward, and its ops (``row_scope``, the sparse
+attention, the paged stores that mutate KV pools) register none.  With grad
+enabled and parameters that require grad (every ``nn.Module`` by default),
+AOT autograd would trace a joint forward/backward graph and fail on the
+first op without a derivative, so a caller who forgot ``no_grad`` got a
+``BackendCompilerFailed`` instead of logits.  Outputs therefore never
+require grad; the eager model is unaffected.
 """
 
 from __future__ import annotations
@@ -67,7 +77,7 @@ def trace_settings() -> contextlib.ExitStack:
 
 
 class CompiledForward:
-    """What :func:`compile` returns: calls the ``torch.compile``-d model under :func:`trace_settings`.
+    """What :func:`compile` returns: calls the ``torch.compile``-d model under :func:`trace_settings`, without grad.
 
     Attributes other than ``cpgraph_passes`` come from the ``torch.compile``
     result (an ``OptimizedModule`` for a module), so it reads like one.
@@ -78,7 +88,7 @@ class CompiledForward:
         self.cpgraph_passes = manager
 
     def __call__(self, *args: Any, **kwargs: Any):
-        with trace_settings():
+        with trace_settings(), torch.no_grad():  # an inference forward (module docstring)
             return self._compiled(*args, **kwargs)
 
     def __getattr__(self, name: str):

@@ -72,7 +72,9 @@ class CPRunResult:
     notes: list[str] = field(default_factory=list)
     cache: dict | None = None  # with spec.cache: run_twice's summary (second-pass logits, hits per level)
     weight_bytes_per_rank: list[int] = field(default_factory=list)  # parameters + buffers each rank's model holds
-    providers: dict[str, str] = field(default_factory=dict)  # op -> provider that computed it in rank 0's CP forward
+    providers: dict[str, str] = field(default_factory=dict)  # op -> what computed it in rank 0's CP forward
+    # op -> [{"implementation", "calls", "reason"}]: rank 0's compile run and timed run (cpgraph.ops.ledger)
+    provider_calls: dict[str, list] = field(default_factory=dict)
     draft_logits: torch.Tensor | None = None  # fp32 [B, vocab]: the CP draft's (with spec.draft)
     draft_reference: torch.Tensor | None = None  # fp32 [B, vocab]: the single-device eager draft's
     sampled: list[int] | None = None  # the target token each draft was given (the CP target's greedy token)
@@ -154,10 +156,11 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
             seconds = time.perf_counter() - t0
             computed, cached = sum(len(p) for p in spec.prompts), 0
         logits = res.logits.float().cpu()
-        from cpgraph.ops.providers import selected
+        from cpgraph.ops.providers import calls, selected
         from cpgraph.runtime.engine import weight_bytes_per_rank
 
-        providers = selected(model.device.type)  # before the eager reference: the CP forward's ops only
+        # Before the eager reference: the CP forward's calls only.
+        providers, provider_calls = selected(model.device.type), calls(model.device.type)
         report("comparing logits across ranks")
         # Every rank must hold the same logits (the narrow gather hands every rank the owner's row).
         gathered = [torch.empty_like(logits) for _ in range(spec.cp)]
@@ -191,6 +194,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
                 cache=cache,
                 weight_bytes_per_rank=[s[2] for s in stats],
                 providers=providers,
+                provider_calls=provider_calls,
             )
             if spec.draft:
                 payload.draft_logits = res.draft_logits.float().cpu().numpy()

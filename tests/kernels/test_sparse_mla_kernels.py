@@ -32,7 +32,8 @@ else:
 import cpgraph.kernels as kernels  # noqa: E402
 from cpgraph.kernels import flash_mla as kflash  # noqa: E402
 from cpgraph.kernels import sparse_mla as ksparse  # noqa: E402
-from cpgraph.ops.providers import active_provider  # noqa: E402
+from cpgraph.ops import ledger  # noqa: E402
+from cpgraph.ops.providers import active_provider, calls, selected  # noqa: E402
 
 ops = torch.ops.cpgraph
 gpu = pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA device (and no TRITON_INTERPRET)")
@@ -185,12 +186,22 @@ def test_unsupported_shapes_fall_back_to_reference(caplog):
 
 
 def test_op_dispatches_to_kernel(sparse_providers):
-    expected = kflash.PROVIDER_NAME if (DEV == "cuda" and kflash.load()) else kernels.PROVIDER_NAME
-    assert active_provider("sparse_mla", DEV) == expected
+    """The registry names FlashMLA on CUDA where it loads, but the report names what computed the call.
+
+    FlashMLA takes only D = 576 (and SM90, 64/128 heads, top-k a multiple of
+    128): this call's D = 48 goes to the Triton kernel on every machine, and
+    the call counts say so, with FlashMLA's reason where it was the provider.
+    """
+    flash = DEV == "cuda" and kflash.load()
+    assert active_provider("sparse_mla", DEV) == (kflash.PROVIDER_NAME if flash else kernels.PROVIDER_NAME)
     assert active_provider("sparse_mla_fp8", DEV) == kernels.PROVIDER_NAME
     q, kv, idx = case(12, 2, 16, 48, 20, 24)
+    ledger.forget("sparse_mla", DEV)
     out, lse = ops.sparse_mla(q, kv, idx, 0.3, 32)
     check_against_reference(out, lse, q, kv, idx, 0.3, 32)
+    reason = "D=48, d_v=32 (FlashMLA takes 576 / 512)" if flash else None
+    assert calls(DEV)["sparse_mla"] == [{"implementation": kernels.PROVIDER_NAME, "calls": 1, "reason": reason}]
+    assert selected(DEV)["sparse_mla"] == kernels.PROVIDER_NAME
 
 
 # ------------------------------------------------------------- FP8 records
@@ -332,11 +343,11 @@ def test_flash_mla_contract(H):
 @needs_flash
 def test_flash_mla_refused_shapes_use_triton():
     q, kv, idx = production_case(31, 64, 64, 2048, topk=200)  # top-k not a multiple of 128
-    assert "topk" in kflash.refusal(q, kv, idx, 512)
+    assert "top-k 200" in kflash.refusal(q, kv, idx, 512)
     out, lse = kflash.sparse_mla(q, kv, idx, 192**-0.5, 512)
     want = ksparse.sparse_mla(q, kv, idx, 192**-0.5, 512)
     assert same_bits(out, want[0]) and same_bits(lse, want[1])
     q32 = q[:, :32].contiguous()  # 32 heads
-    assert "H=32" in kflash.refusal(q32, kv, idx, 512)
+    assert "H=32 heads" in kflash.refusal(q32, kv, idx, 512)
     out, lse = kflash.sparse_mla(q32, kv, idx, 192**-0.5, 512)
     check_against_reference(out, lse, q32, kv, idx, 192**-0.5, 512)

@@ -166,7 +166,9 @@ def test_text_prompts_under_cp_are_tokenized_in_the_parent(text_ckpt, monkeypatc
         logits = prefill_logits(from_pretrained(text_ckpt), spec.prompts)
         return cp_run.CPRunResult(logits=logits, reference=logits, kv_bytes_per_rank=[1, 2], pages_per_rank=[1, 1],
                                   replicated_bytes=3, seconds=1.0, compile_seconds=1.0, ranks_agree=True,
-                                  tokens_computed=9, weight_bytes_per_rank=[7, 7], providers={"sparse_mla": "triton"})
+                                  tokens_computed=9, weight_bytes_per_rank=[7, 7], providers={"sparse_mla": "triton"},
+                                  provider_calls={"sparse_mla": [{"implementation": "triton", "calls": 4,
+                                                                  "reason": None}]})
 
     monkeypatch.setattr(cp_run, "run_cp", fake_run_cp)
     assert main(["run", "--model", str(text_ckpt), "--prompt", "the cache", "--prompt", "one rank", "--cp", "2",
@@ -175,7 +177,7 @@ def test_text_prompts_under_cp_are_tokenized_in_the_parent(text_ckpt, monkeypatc
     text = capsys.readouterr().out
     assert "prompt 0 'the cache': 3 tokens (prefix 0): top ids" in text and "] = ['" in text
     assert "rank 1: KV 2 bytes" in text and "; weights 7 bytes" in text
-    assert "op providers on cpu (1 cpgraph ops ran" in text and "  triton: sparse_mla" in text
+    assert "op providers on cpu (1 cpgraph ops ran" in text and "  sparse_mla: triton 4 calls" in text
 
 
 @pytest.mark.parametrize("cp", [[], ["--cp", "2"]])
@@ -232,7 +234,7 @@ def test_run_reports_providers_and_weight_bytes(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {"sparse_mla", "paged_store", "paged_gather", "indexer_topk", "moe_experts"} <= data["providers"].keys()
     assert set(data["providers"].values()) == {"reference"}
-    assert text.count("op providers on cpu") == 1 and "  reference: " in text
+    assert text.count("op providers on cpu") == 1 and "  sparse_mla: reference " in text
     model = tiny_model("tiny-glm5")
     expected = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert data["weight_bytes"] == expected and f"weights: {expected} bytes" in text
@@ -249,8 +251,55 @@ def test_run_reports_providers_and_weight_bytes(tmp_path, capsys):
         assert main(["run", "--model", "tiny-glm5", "--json", str(out), "--quiet"]) == 0
     finally:
         unregister_provider("take_rows", "cpu")
-    assert calls and json.loads(out.read_text())["providers"]["take_rows"] == "counting"
-    assert "  counting: take_rows" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert calls and data["providers"]["take_rows"] == "counting"
+    # the counts are this run's calls, each one the provider computed
+    assert data["provider_calls"]["take_rows"] == [{"implementation": "counting", "calls": len(calls), "reason": None}]
+    assert f"  take_rows: counting {len(calls)} calls" in capsys.readouterr().out
+
+
+def test_run_reports_a_fallback_with_its_reason_and_warns_once(tmp_path, capsys, caplog, monkeypatch):
+    """A provider that hands its calls on: the report names what computed them and why, and the user sees a
+    WARNING (the CLI shows WARNING and above), once, not once per call."""
+    import logging
+
+    from cpgraph.ops import ledger
+    from cpgraph.ops.paged import paged_gather_reference
+    from cpgraph.ops.providers import register_provider, unregister_provider
+
+    reason = "test: this provider takes no call"
+
+    def handing_on(pool, slots):
+        ledger.fell_back("paged_gather", "cpu", "reference", reason, instead_of="handing_on")
+        return paged_gather_reference(pool, slots)
+
+    monkeypatch.setattr(ledger, "_LOGGED", set())  # warned once per process: start from none
+    out = tmp_path / "out.json"
+    register_provider("paged_gather", "cpu", "handing_on", handing_on)
+    try:
+        with caplog.at_level("WARNING", logger="cpgraph.ops"):
+            assert main(["run", "--model", "tiny-glm5", "--json", str(out), "--quiet"]) == 0
+    finally:
+        unregister_provider("paged_gather", "cpu")
+    data = json.loads(out.read_text())
+    rows = data["provider_calls"]["paged_gather"]
+    assert len(rows) == 1 and rows[0]["implementation"] == "reference" and rows[0]["reason"] == reason
+    assert rows[0]["calls"] > 1 and data["providers"]["paged_gather"] == "reference"  # not the registered name
+    assert f"  paged_gather: reference {rows[0]['calls']} calls ({reason})" in capsys.readouterr().out
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and reason in r.getMessage()]
+    assert len(warned) == 1 and logging.getLogger("cpgraph.ops").isEnabledFor(logging.WARNING)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_cache_run_with_cuda_graphs_reports_uncounted_replays(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["run", "--model", "tiny-glm5", "--device", "cuda", "--cache", "--cuda-graphs", "--json", str(out),
+                 "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["cuda_graph_replays"] > 0
+    assert f"+ {data['cuda_graph_replays']} CUDA-graph replay(s), not counted above" in capsys.readouterr().out
+    assert data["provider_calls"]["sparse_mla"][0]["calls"] > 0  # the warm-up and capture calls are counted
 
 
 def test_weight_bytes_follow_the_dtype(capsys, tmp_path):
