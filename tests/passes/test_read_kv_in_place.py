@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import operator
 
 import expecttest
@@ -196,6 +197,10 @@ v24 = getitem(v22, 1)""",
         from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
         from torch._inductor.fx_utils import FakeTensorUpdater
 
+        # Built as Inductor's post-grad passes build it: from the graph module in torch 2.13, from its
+        # graph in 2.11 (reinplace_inplaceable_ops itself is the same in both).
+        graph_arg = "gm" not in inspect.signature(FakeTensorUpdater).parameters
+
         def clones(passes, tamper=None):
             torch._dynamo.reset()
             gms = []
@@ -204,7 +209,7 @@ v24 = getitem(v22, 1)""",
             gm = gms[0]
             if tamper:
                 tamper(gm.graph)
-            reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+            reinplace_inplaceable_ops(FakeTensorUpdater(gm.graph if graph_arg else gm), gm.graph)
             return {str(n.args[0]): n.meta["only_clone_these_tensors"] for n in gm.graph.nodes if n.target in _AUTO_FUNC}
 
         def read_before_written(graph):
