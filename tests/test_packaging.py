@@ -26,7 +26,8 @@ OPTIONAL = {
     "flash_mla": "sparse_mla provider, installed by hand with --no-deps (docs/kernels.md); else Triton",
     "deep_gemm": "indexer provider from carried wheels (docs/ops/indexer.md); else Triton",
     "mooncake": "the transfer engine, extra 'transfer'; else an error naming the extra",
-    "transformers": "a checkpoint's tokenizer (--prompt) and the PD reference model",
+    # Not handled yet: --prompt without transformers installed ends in a ModuleNotFoundError.
+    "transformers": "a checkpoint's tokenizer (--prompt) and the PD reference model (heavy, so not declared)",
 }
 # Wheels that must be installed with --no-deps (their metadata asks for a torch that would replace ours).
 NO_DEPS_ONLY = {"sgl-flash-mla", "sgl-deep-gemm"}
