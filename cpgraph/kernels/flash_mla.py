@@ -28,7 +28,7 @@ Where FlashMLA's contract differs from the op's, this module adapts it:
   the lse is rewritten where it is not finite (one tiny ``[M, H]``
   elementwise kernel).
 
-Packaging: the PyPI wheel ``sgl-flash-mla==1.0.0`` (extra ``cpgraph[gpu]``)
+Packaging: the PyPI wheel ``sgl-flash-mla==1.0.0`` (no extra: see docs/kernels.md)
 declares ``torch>=2.14.1`` but its extensions use torch's stable ABI and
 load on torch 2.11; install it with ``--no-deps`` so pip does not replace
 torch.  Absent or unloadable, the Triton kernel is the provider; that is

@@ -334,8 +334,7 @@ def model_vocab(model: str) -> int:
     return model_config(model).vocab_size
 
 
-def check_parallel(*, cp: int, ep: int = 1, world_size: int | None = None, num_experts: int | None = None,
-                   ep_available: bool = True) -> int:
+def check_parallel(*, cp: int, ep: int = 1, world_size: int | None = None, num_experts: int | None = None) -> int:
     """Check the CP and EP degrees (and the world they tile); returns the data-parallel degree.
 
     A world of ``world_size`` ranks is ``world_size // cp`` data-parallel
@@ -343,7 +342,6 @@ def check_parallel(*, cp: int, ep: int = 1, world_size: int | None = None, num_e
     spreads the routed experts over the ranks of a CP group: ``ep`` is 1
     (every rank holds every expert) or ``cp`` (each rank holds
     ``num_experts / ep``), and must divide the expert count.
-    ``ep_available=False`` (the compiler has no EP support yet) allows only 1.
     """
     _check_int("--cp", cp)
     _check_int("--ep", ep)
@@ -351,8 +349,6 @@ def check_parallel(*, cp: int, ep: int = 1, world_size: int | None = None, num_e
         raise InputError(f"--ep must be 1 or equal to --cp ({cp}): experts are split over one CP group, got {ep}")
     if num_experts is not None and num_experts % ep:
         raise InputError(f"--ep {ep} does not divide the model's {num_experts} routed experts")
-    if ep != 1 and not ep_available:
-        raise InputError(f"--ep {ep}: expert parallelism is not available in this build (only --ep 1)")
     if world_size is None:
         return 1
     _check_int("WORLD_SIZE", world_size)

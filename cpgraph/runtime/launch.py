@@ -33,7 +33,6 @@ commands are documented in ``docs/launch.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -61,7 +60,6 @@ log = logging.getLogger(__name__)
 
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 GROUP_PLACEHOLDER = "{group}"  # in --prompts-file: one file per data-parallel group
-_EP_FIELDS = ("ep_size", "ep")  # what CPConfig may call the expert-parallel degree
 
 
 @dataclass(frozen=True)
@@ -120,14 +118,6 @@ def reports_errors(environ: Mapping[str, str] | None = None) -> bool:
 # ----------------------------------------------------------------------------- layout
 
 
-def ep_config_field() -> str | None:
-    """Name of CPConfig's expert-parallel degree field, or ``None`` when the compiler has none (EP must be 1)."""
-    from cpgraph.passes.config import CPConfig
-
-    names = {f.name for f in dataclasses.fields(CPConfig)}
-    return next((n for n in _EP_FIELDS if n in names), None)
-
-
 @dataclass(frozen=True)
 class RankLayout:
     """How the world's ranks map to data-parallel groups, CP groups and expert shards.
@@ -164,13 +154,21 @@ class RankLayout:
         return j * per, (j + 1) * per
 
 
-def rank_layout(world_size: int, cp: int, ep: int = 1, num_experts: int | None = None,
-                ep_available: bool | None = None) -> RankLayout:
+def rank_layout(world_size: int, cp: int, ep: int = 1, num_experts: int | None = None) -> RankLayout:
     """Check and build the layout (:func:`~cpgraph.runtime.inputs.check_parallel` says what is refused)."""
-    if ep_available is None:
-        ep_available = ep_config_field() is not None
-    check_parallel(cp=cp, ep=ep, world_size=world_size, num_experts=num_experts, ep_available=ep_available)
+    check_parallel(cp=cp, ep=ep, world_size=world_size, num_experts=num_experts)
     return RankLayout(world_size, cp, ep)
+
+
+def compiler_config(layout: RankLayout, group):
+    """The :class:`~cpgraph.passes.CPConfig` a rank compiles with: its CP group, and EP as the layout says.
+
+    With ``ep > 1`` the rank holds only its expert shard, so the compiler must
+    know the degree to insert the expert-parallel dispatch around each MoE.
+    """
+    from cpgraph.passes import CPConfig
+
+    return CPConfig(group=group, cp_size=layout.cp, ep=layout.ep)
 
 
 def round_robin(num_prompts: int, dp: int) -> list[list[int]]:
@@ -356,7 +354,7 @@ def run_launch(spec: LaunchSpec, environ: Mapping[str, str] | None = None,
 def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id: int, group_rank: int, report):
     import torch.distributed as dist
 
-    from cpgraph.passes import CPConfig, compile
+    from cpgraph.passes import compile
     from cpgraph.runtime.engine import run_prefill, weight_bytes_per_rank
 
     # Every rank creates every group, in group order: new_group is collective over the world.
@@ -380,9 +378,7 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
     model = model.to(device).eval()
     model.kv_layout = kv_layout
     weight_bytes = weight_bytes_per_rank(model)
-    ep_field = ep_config_field()
-    extra = {ep_field: layout.ep} if ep_field is not None else {}
-    compiled = compile(model, CPConfig(group=group, cp_size=layout.cp, **extra), backend=spec.backend, dynamic=True)
+    compiled = compile(model, compiler_config(layout, group), backend=spec.backend, dynamic=True)
 
     def forward(ids, meta, mla, index, **kw):
         return compiled(ids, meta, mla, index, **kw)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import operator
 
 import expecttest
@@ -33,7 +34,7 @@ from cpgraph.models.config import bundled_config_dict
 from cpgraph.models.prefill import make_layout
 from cpgraph.passes import CPConfig, compile
 from cpgraph.passes.cleanup import eliminate_dead_code
-from cpgraph.passes.fx_utils import _AUTO_FUNC, find_nodes, normalized_graph, op_counts
+from cpgraph.passes.fx_utils import _AUTO_FUNC, find_nodes, is_op, normalized_graph, op_counts
 from cpgraph.passes.graph_facts import PassMatchError
 from cpgraph.passes.kv_in_place import read_kv_in_place
 from cpgraph.passes.pipeline import default_passes
@@ -196,6 +197,10 @@ v24 = getitem(v22, 1)""",
         from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
         from torch._inductor.fx_utils import FakeTensorUpdater
 
+        # Built as Inductor's post-grad passes build it: from the graph module in torch 2.13, from its
+        # graph in 2.11 (reinplace_inplaceable_ops itself is the same in both).
+        graph_arg = "gm" not in inspect.signature(FakeTensorUpdater).parameters
+
         def clones(passes, tamper=None):
             torch._dynamo.reset()
             gms = []
@@ -204,7 +209,7 @@ v24 = getitem(v22, 1)""",
             gm = gms[0]
             if tamper:
                 tamper(gm.graph)
-            reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+            reinplace_inplaceable_ops(FakeTensorUpdater(gm.graph if graph_arg else gm), gm.graph)
             return {str(n.args[0]): n.meta["only_clone_these_tensors"] for n in gm.graph.nodes if n.target in _AUTO_FUNC}
 
         def read_before_written(graph):
@@ -388,9 +393,26 @@ def test_logits_bit_equal_to_the_eager_model(fmt):
 
 
 def test_disabling_the_pass_keeps_the_materialised_view():
-    mgr = compile(lambda x: x, CPConfig(disabled_passes=("read_kv_in_place",)), backend="aot_eager").cpgraph_passes
-    assert "read_kv_in_place" not in [n for n, _ in mgr.enabled]
-    assert "read_kv_in_place" in [n for n, _ in default_passes()]
+    """Disabled by name, the pass leaves the one-device graph as traced: attention reads the composed view.
+
+    The same passes as ``run_both``, whose rewrite ``test_dense_rewrite_snapshot_counts_and_bits`` counts.
+    """
+    graphs = []
+    passes = [
+        ("read_kv_in_place", read_kv_in_place),
+        ("eliminate_dead_code", eliminate_dead_code),
+        ("capture", lambda gm, c: graphs.append(copy.deepcopy(gm.graph)) or gm),
+    ]
+    compiled = compile(attend, CPConfig(disabled_passes=("read_kv_in_place",)), backend="aot_eager", passes=passes)
+    args = layer_inputs(8, 3, 4)
+    a, b = [t.clone() for t in args], [t.clone() for t in args]
+    ref, out = attend(*a), compiled(*b)
+    counts = op_counts(graphs[-1])
+    assert (counts["cpgraph.kv_compose"], counts["cpgraph.paged_gather"], counts["cpgraph.sparse_mla"]) == (1, 1, 1)
+    (attn,) = find_nodes(graphs[-1], "cpgraph.sparse_mla")
+    assert attn.args[1].target is operator.getitem and is_op(attn.args[1].args[0], "cpgraph.kv_compose")
+    assert "read_kv_in_place" not in [n for n, _, _ in compiled.cpgraph_passes.history]
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]) and torch.equal(b[1], a[1])
 
 
 # ------------------------------------------------------------ GPU

@@ -71,7 +71,7 @@ def test_only_local_rank_zero_reports_shared_errors():
 
 
 def test_layout_maps_ranks_to_groups_and_experts():
-    lay = launch.rank_layout(8, cp=4, ep=4, num_experts=16, ep_available=True)
+    lay = launch.rank_layout(8, cp=4, ep=4, num_experts=16)
     assert lay.dp == 2
     assert [lay.group_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [lay.group_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
@@ -80,26 +80,24 @@ def test_layout_maps_ranks_to_groups_and_experts():
     assert launch.rank_layout(8, cp=4, ep=1).expert_range(5, 16) == (0, 16)
 
 
-@pytest.mark.parametrize("world,cp,ep,experts,available,msg", [
-    (6, 4, 1, 8, True, "world size 6 is not divisible by --cp 4"),
-    (8, 4, 2, 8, True, r"--ep must be 1 or equal to --cp \(4\)"),
-    (8, 4, 4, 6, True, "--ep 4 does not divide the model's 6 routed experts"),
-    (8, 4, 4, 8, False, "expert parallelism is not available in this build"),
-    (8, 0, 1, 8, True, "--cp must be >= 1"),
+@pytest.mark.parametrize("world,cp,ep,experts,msg", [
+    (6, 4, 1, 8, "world size 6 is not divisible by --cp 4"),
+    (8, 4, 2, 8, r"--ep must be 1 or equal to --cp \(4\)"),
+    (8, 4, 4, 6, "--ep 4 does not divide the model's 6 routed experts"),
+    (8, 0, 1, 8, "--cp must be >= 1"),
 ])
-def test_layout_refusals(world, cp, ep, experts, available, msg):
+def test_layout_refusals(world, cp, ep, experts, msg):
     with pytest.raises(InputError, match=msg):
-        launch.rank_layout(world, cp=cp, ep=ep, num_experts=experts, ep_available=available)
+        launch.rank_layout(world, cp=cp, ep=ep, num_experts=experts)
 
 
-def test_ep_follows_the_compiler_config():
-    """--ep > 1 is accepted exactly when CPConfig has an expert-parallel field."""
-    field = launch.ep_config_field()
-    if field is None:
-        with pytest.raises(InputError, match="not available"):
-            launch.rank_layout(4, cp=2, ep=2, num_experts=8)
-    else:
-        assert launch.rank_layout(4, cp=2, ep=2, num_experts=8).ep == 2
+@pytest.mark.parametrize("ep", [1, 2])
+def test_ep_reaches_the_compiler_config(ep):
+    """--ep is accepted and every rank compiles with it: an EP rank holds E/ep experts and needs the dispatch."""
+    layout = launch.rank_layout(4, cp=2, ep=ep, num_experts=8)
+    cfg = launch.compiler_config(layout, "g1")
+    assert (cfg.group_name, cfg.cp_size, cfg.ep) == ("g1", 2, ep)
+    assert "compact_moe_rows" not in cfg.disabled_passes  # the pass that inserts the dispatch runs
 
 
 def test_ep_needs_the_dispatch_in_the_compiled_graph(caplog):
