@@ -83,8 +83,9 @@ class GatherLayout:
         named = kv_source.clamp(min=0)
         rank = torch.div(named, max(self.block_rows, 1), rounding_mode="floor")
         offset = named - rank * self.block_rows
-        is_prefix = offset < self.prefix_rows
-        row = torch.where(is_prefix, padded.prefix_row(rank, offset), padded.compute_row(rank, offset - self.prefix_rows))
+        as_prefix = padded.prefix_row(rank, offset)
+        as_compute = padded.compute_row(rank, offset - self.prefix_rows)
+        row = torch.where(offset < self.prefix_rows, as_prefix, as_compute)
         return torch.where(kv_source >= 0, row, kv_source)
 
 

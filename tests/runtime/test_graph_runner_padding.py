@@ -43,7 +43,8 @@ def _rank_batches(cp: int, row_align: int = 1):
     out = []
     for rank in range(cp):
         pages = itertools.count()
-        tables = [[next(pages) if o == rank else -1 for o in owners[i] + plan.page_owners(i)] for i in range(len(EXTEND))]
+        tables = [[next(pages) if o == rank else -1 for o in owners[i] + plan.page_owners(i)]
+                  for i in range(len(EXTEND))]  # fmt: skip
         out.append(build_batch(plan, tokens, tables, rank=rank, prefix_page_owners=owners))
     return plan, out
 
@@ -93,7 +94,8 @@ def _check_loaded(cp: int, ids, meta, static: _Static) -> None:
 
 def _bucket(cp, ids, meta, extra_rows=0):
     p = meta.prefix_slots.shape[0]
-    return Bucket(ids.shape[0] + extra_rows, meta.kv_source.shape[0] + 40, p + 48, meta.last_token_index.shape[0] + 3, cp)
+    b = meta.last_token_index.shape[0]
+    return Bucket(ids.shape[0] + extra_rows, meta.kv_source.shape[0] + 40, p + 48, b + 3, cp)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
