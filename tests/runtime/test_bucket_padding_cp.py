@@ -136,7 +136,7 @@ def _nccl_rank(rank: int, world: int, init_file: str, results) -> None:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
         ctx = RankContext(rank, world, dist.group.WORLD.group_name)
-        results.put((rank, True, _cuda_job(ctx)))
+        results.put((rank, True, tiny_model_job(ctx, "cuda", "inductor", capture=True)))
     except BaseException:
         import traceback
 
@@ -146,22 +146,23 @@ def _nccl_rank(rank: int, world: int, init_file: str, results) -> None:
             dist.destroy_process_group()
 
 
-def _cuda_job(ctx):
-    """One rank on its GPU: the CP-compiled tiny model (Inductor), planned vs padded-and-captured extend pass."""
+def tiny_model_job(ctx, device: str, backend: str, capture: bool):
+    """One rank: the CP-compiled tiny model, planned vs padded (and, on a GPU, captured) extend pass."""
     import cpgraph
     from cpgraph.models import tiny_model
     from cpgraph.models.prefill import make_layout
     from cpgraph.runtime.engine import run_prefill
 
-    model = tiny_model("tiny-deepseek-v32", device="cuda").eval()
+    model = tiny_model("tiny-deepseek-v32", device=device).eval()
     model.kv_layout = make_layout(model, "bf16", PAGE)
-    forward = cpgraph.compile(model, cpgraph.CPConfig(group=ctx.group_name, cp_size=ctx.world_size), dynamic=True)
+    cp = cpgraph.CPConfig(group=ctx.group_name, cp_size=ctx.world_size)
+    forward = cpgraph.compile(model, cp, backend=backend, dynamic=True)
     prompts = [[t % model.config.vocab_size for t in p] for p in _prompts()]
     kw = dict(prefix_lens=PREFIX_LENS, page_size=PAGE, rank=ctx.rank, cp_size=ctx.world_size)
     with torch._dynamo.config.patch(recompile_limit=64):
         plain = run_prefill(forward, model, prompts, **kw).logits.float().cpu().numpy()
         record: dict = {}
-        padded = run_prefill(through_runner(forward, ctx.world_size, record, capture=True), model, prompts, **kw)
+        padded = run_prefill(through_runner(forward, ctx.world_size, record, capture), model, prompts, **kw)
     return {"plain": plain, "padded": padded.logits.float().cpu().numpy(), **record}
 
 
