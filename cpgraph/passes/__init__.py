@@ -7,5 +7,6 @@ from .backend import build_pass_manager, compile
 from .config import CPConfig
 from .lint import HostSyncError
 from .manager import CPPassManager
+from .recompile_limit import RecompileLimitError
 
-__all__ = ["compile", "CPConfig", "CPPassManager", "HostSyncError", "build_pass_manager"]
+__all__ = ["compile", "CPConfig", "CPPassManager", "HostSyncError", "RecompileLimitError", "build_pass_manager"]

@@ -17,7 +17,9 @@ Dynamo restarts, tracing every graph twice for the same code.  Duck sizing
 gives dims of equal size one symbol, so a pool whose row count happens to
 equal a record width gets a graph specialized to it and recompiles on the
 next batch.  Both are applied per call (not process-wide): the caller's own
-``torch.compile`` settings stay as they were.
+``torch.compile`` settings stay as they were.  The same per-call scope turns
+Dynamo's recompile-limit fallback to eager into a clear error
+(:mod:`.recompile_limit`).
 
 The compiled callable is an inference forward: it runs under
 ``torch.no_grad()`` whatever the caller's grad mode.  Why: cpgraph compiles
@@ -43,6 +45,7 @@ from torch._inductor import config as inductor_config
 from .config import CPConfig
 from .manager import CPPassManager, PassFn
 from .pipeline import default_passes
+from .recompile_limit import fail_on_recompile_limit
 
 
 def build_pass_manager(cp: CPConfig | None = None, passes: Sequence[tuple[str, PassFn]] | None = None, absorbed=None) -> CPPassManager:
@@ -73,6 +76,7 @@ def trace_settings() -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
     stack.enter_context(fx_config.patch(use_duck_shape=False))
+    stack.enter_context(fail_on_recompile_limit())
     return stack
 
 

@@ -3,7 +3,7 @@
 Deterministic and communication-free; see ``docs/plan.md``.
 """
 
-from .materialize import MaterializeDescriptors, materialize_descriptors
+from .materialize import GatherLayout, MaterializeDescriptors, materialize_descriptors
 from .plan import ROW_COMPUTE_PAD, ROW_STATIC_PAD, ROW_VALID, CPPlan, RankPlan, plan_prefill
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "ROW_COMPUTE_PAD",
     "ROW_STATIC_PAD",
     "materialize_descriptors",
+    "GatherLayout",
     "MaterializeDescriptors",
 ]

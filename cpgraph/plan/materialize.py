@@ -12,9 +12,12 @@ Layout of one rank's contribution to the gather::
     [ P prefix rows (pages this rank owns, full-view order, -1 padded) | M compute rows ]
 
 The gathered buffer is rank-major: rank ``r``'s block starts at row
-``r * (P + M)``.  ``kv_source`` says, for every full-view row, which gathered
+``r * (P + M)`` (:class:`GatherLayout`, the one definition of these
+coordinates).  ``kv_source`` says, for every full-view row, which gathered
 row it comes from (``-1``: page-tail slack, a zero row).  Because it maps
-*destinations to sources*, no full-view row can be written twice.
+*destinations to sources*, no full-view row can be written twice.  Padding
+``P`` or ``M`` (a CUDA-graph bucket) moves every rank's block, so a padded
+batch re-maps ``kv_source`` with :meth:`GatherLayout.repad`.
 
 Why per request: the builder walks prefix pages *per request*, so two
 requests whose cached prefix shares one physical page on its owner get that
@@ -33,6 +36,57 @@ import numpy as np
 import torch
 
 from .plan import MAX_ROWS, CPPlan, _exclusive_cumsum
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    """Row coordinates of the rank-major gathered buffer ``[cp_size * (P + M)]``.
+
+    Rank ``r`` contributes one block of ``P + M`` rows: its ``P`` prefix rows
+    (``prefix_rows``), then its ``M`` compute rows (``num_rows``).  Every
+    gathered-row index (``kv_source``) is built from :meth:`prefix_row` and
+    :meth:`compute_row`, so padding is re-expressed through the same two
+    functions rather than by an offset that holds for rank 0 only.  The row
+    functions take ints or integer arrays / tensors alike.
+    """
+
+    cp_size: int
+    prefix_rows: int
+    num_rows: int
+
+    @property
+    def block_rows(self) -> int:
+        return self.prefix_rows + self.num_rows
+
+    @property
+    def total_rows(self) -> int:
+        return self.cp_size * self.block_rows
+
+    def prefix_row(self, rank, j):
+        """Gathered row of rank ``rank``'s prefix row ``j`` (``0 <= j < P``)."""
+        return rank * self.block_rows + j
+
+    def compute_row(self, rank, j):
+        """Gathered row of rank ``rank``'s compute row ``j`` (``0 <= j < M``)."""
+        return rank * self.block_rows + self.prefix_rows + j
+
+    def repad(self, kv_source: torch.Tensor, padded: "GatherLayout") -> torch.Tensor:
+        """``kv_source`` of the same batch once every rank's block is padded to ``padded``'s ``P'`` and ``M'``.
+
+        Each entry is split into (rank, prefix row ``j`` or compute row ``j``)
+        and rebuilt in ``padded``: the padded rows (``-1`` prefix slots, dummy
+        compute rows) are never named; ``-1`` stays ``-1``.  Device tensor
+        arithmetic only (no host sync).
+        """
+        if padded.cp_size != self.cp_size or padded.prefix_rows < self.prefix_rows or padded.num_rows < self.num_rows:
+            raise ValueError(f"GatherLayout.repad: cannot pad {self} to {padded} (same cp_size, no fewer rows)")
+        named = kv_source.clamp(min=0)
+        rank = torch.div(named, max(self.block_rows, 1), rounding_mode="floor")
+        offset = named - rank * self.block_rows
+        as_prefix = padded.prefix_row(rank, offset)
+        as_compute = padded.compute_row(rank, offset - self.prefix_rows)
+        row = torch.where(offset < self.prefix_rows, as_prefix, as_compute)
+        return torch.where(kv_source >= 0, row, kv_source)
 
 
 @dataclass(frozen=True)
@@ -59,6 +113,11 @@ class MaterializeDescriptors:
     kv_rows: int
     send_slots: torch.Tensor
     kv_source: torch.Tensor
+
+    @property
+    def layout(self) -> GatherLayout:
+        """The coordinates ``kv_source`` indexes."""
+        return GatherLayout(self.cp_size, self.prefix_rows_per_rank, self.num_rows)
 
     def to(self, device, non_blocking: bool = False) -> "MaterializeDescriptors":
         """Copy the index tensors to ``device`` once per batch."""
@@ -180,9 +239,9 @@ def materialize_descriptors(
 
     # Invert: source row of every full-view row in the rank-major gathered buffer.
     P, M = pages_per_rank * ps, plan.num_rows
-    block = np.arange(cp, dtype=np.int64)[:, None] * (P + M)
-    prefix_src = (block + np.arange(P, dtype=np.int64)).reshape(-1)
-    current_src = (block + P + np.arange(M, dtype=np.int64)).reshape(-1)
+    layout, ranks = GatherLayout(cp, P, M), np.arange(cp, dtype=np.int64)[:, None]
+    prefix_src = layout.prefix_row(ranks, np.arange(P, dtype=np.int64)).reshape(-1)
+    current_src = layout.compute_row(ranks, np.arange(M, dtype=np.int64)).reshape(-1)
     kv_rows = int(plan.kv_lens.sum())
     kv_source = np.full(kv_rows, -1, dtype=np.int64)
     keep = prefix_dest >= 0

@@ -19,13 +19,21 @@ What sets the shapes of the forward's inputs (see ``BatchMeta``):
   that equals the planner's static padding.  Under CP the gathered
   coordinates (``rank * M + row``) move with ``M``: plan with the bucket;
 * ``N`` rows of the full KV view (``kv_source``) and ``P`` cached-prefix
-  rows (``prefix_slots``): each padded here to its own KV bucket with ``-1``
-  (a ``-1`` slot reads a zero record; a ``-1`` source row is zero and lies
-  past every key window).  ``kv_source`` indexes ``cat(prefix rows, current
-  rows)``, so its entries ``>= P`` move up by the prefix padding;
+  rows per rank (``prefix_slots``): each padded here to its own KV bucket
+  with ``-1`` (a ``-1`` slot reads a zero record; a ``-1`` source row is
+  zero and lies past every key window).  ``kv_source`` indexes the
+  rank-major gather of every rank's ``[P prefix rows | M compute rows]``
+  block (``GatherLayout``; at ``cp_size == 1`` the one block is
+  ``cat(prefix rows, current rows)``), so padding ``P`` (or ``M``) moves
+  every rank's block: each entry is re-expressed as (rank, row within the
+  block) and rebuilt in the padded layout (``GatherLayout.repad``), never
+  shifted by one offset;
 * ``B`` requests (``last_token_index``) padded with row 0 to
   ``max_requests`` and ``T`` tokens (``rerange_index``) padded with row 0
   to ``cp_size * M``; the padded logits rows are dropped on the way out.
+  Both index the gathered hidden states (``rank * M + row``), which the
+  prefix padding does not touch and ``M`` padding does only at
+  ``cp_size == 1``, where every index is rank 0's.
 
 The bucket key ``(M, N, P)`` comes from the plan's lengths alone, so every CP
 rank picks the same bucket without talking.  Ladders are geometric
@@ -54,7 +62,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from cpgraph.plan import CPPlan, plan_prefill
+from cpgraph.plan import CPPlan, GatherLayout, plan_prefill
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +126,7 @@ class _Static:
         from cpgraph.models.batch import BatchMeta
 
         m, n = bucket.rows, bucket.kv_rows
+        self.cp_size = bucket.cp_size
         lengths = {"positions": m, "ks": m, "ke": m, "row_slots": m, "prefix_slots": bucket.prefix_rows, "kv_source": n,
                    "last_token_index": bucket.requests, "rerange_index": bucket.cp_size * m}  # fmt: skip
         self.fill = {"row_slots": -1, "prefix_slots": -1, "kv_source": -1}  # every other field pads with 0
@@ -133,11 +142,14 @@ class _Static:
         if m < self.ids.shape[0]:
             self.ids[m:].zero_()
         self.ids[:m].copy_(ids)
-        p, shift = meta.prefix_slots.shape[0], self.meta.prefix_slots.shape[0] - meta.prefix_slots.shape[0]
+        batch = GatherLayout(self.cp_size, meta.prefix_slots.shape[0], m)
+        padded = GatherLayout(self.cp_size, self.meta.prefix_slots.shape[0], self.ids.shape[0])
+        if self.cp_size != 1 and padded.num_rows != batch.num_rows:  # bucket_for refuses these batches
+            raise ValueError("graph_runner: under CP the batch must be planned with GraphRunner.plan (M a bucket)")
         for f in fields(meta):
             src, dst = getattr(meta, f.name), getattr(self.meta, f.name)
-            if f.name == "kv_source" and shift:  # current rows follow the padded prefix rows
-                src = torch.where(src >= p, src + shift, src)
+            if f.name == "kv_source" and padded != batch:  # every rank's block is padded: re-map the gathered rows
+                src = batch.repad(src, padded)
             n = src.shape[0]
             if n < dst.shape[0]:
                 dst[n:].fill_(self.fill.get(f.name, 0))

@@ -20,6 +20,7 @@ from cpgraph.runtime.graph_runner import GraphRunner, bucket_ladder, pick_bucket
 from cpgraph.runtime.kv_pool import KVPool
 
 PAGE = 16
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 
 
 def test_ladder_values_and_padding_bound():
@@ -82,24 +83,33 @@ def test_padded_batch_matches_unpadded_eager():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
 @torch.no_grad()
-def test_prefix_batch_pads_kv_view():
-    model, pool, mla, index = _setup()
+def test_prefix_batch_pads_kv_view(device):
+    """Cached prefixes of 32 and 16 rows (P = 48) padded to the 64-row prefix bucket; captured on a GPU."""
+    dtype = torch.float32
+    model, pool, mla, index = _setup(dtype, device)
     runner = GraphRunner(lambda i, m: model(i, m, mla, index).logits, max_requests=4, row_buckets=(16, 32),
                          kv_buckets=(64, 128, 256))  # fmt: skip
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, model.config.vocab_size, (32 + n,), generator=g).tolist() for n in (3, 6)]
+    prefix = [32, 16]
+    prompts = [torch.randint(0, model.config.vocab_size, (p + n,), generator=g).tolist()
+               for p, n in zip(prefix, (3, 6))]  # fmt: skip
     tables = [pool.alloc_pages_with_owners([0] * math.ceil(len(p) / PAGE)) for p in prompts]
-    for i, p in enumerate(prompts):  # cache the 32-token prefixes
-        pre = plan_prefill([0], [32], cp_size=1, page_size=PAGE)
-        ids, meta = build_batch(pre, [p[:32]], [tables[i][:2]], "cpu", prefix_page_owners=[[]])
+    for i, (p, n) in enumerate(zip(prompts, prefix)):  # cache the prefixes
+        pre = plan_prefill([0], [n], cp_size=1, page_size=PAGE)
+        ids, meta = build_batch(pre, [p[:n]], [tables[i][: n // PAGE]], device, prefix_page_owners=[[]])
         model(ids, meta, mla, index)
-    plan = runner.plan([32, 32], [3, 6], PAGE)
-    ids, meta = build_batch(plan, [p[32:] for p in prompts], tables, "cpu")
-    assert runner.bucket_for(ids, meta).kv_rows == 128  # 2 x (32 prefix + 16 extend) = 96 -> 128
+    plan = runner.plan(prefix, [3, 6], PAGE)
+    ids, meta = build_batch(plan, [p[n:] for p, n in zip(prompts, prefix)], tables, device)
+    bucket = runner.bucket_for(ids, meta)
+    assert (meta.prefix_slots.shape[0], bucket.prefix_rows) == (48, 64)  # P padded by one page
+    assert (meta.kv_source.shape[0], bucket.kv_rows) == (80, 128)  # (32 + 16) + (16 + 16) view rows
     got = runner(ids, meta)
-    plain = plan_prefill([32, 32], [3, 6], cp_size=1, page_size=PAGE)
-    ids, meta = build_batch(plain, [p[32:] for p in prompts], tables, "cpu")
+    assert runner.capture_report()[0]["captured"] == (device == "cuda")
+    plain = plan_prefill(prefix, [3, 6], cp_size=1, page_size=PAGE)
+    ids, meta = build_batch(plain, [p[n:] for p, n in zip(prompts, prefix)], tables, device)
+    # Padding changes the shapes (M, P, N), so the logits agree to a tolerance, not bit for bit.
     torch.testing.assert_close(got, model(ids, meta, mla, index).logits, rtol=1e-5, atol=1e-5)
 
 
