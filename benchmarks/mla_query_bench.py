@@ -79,7 +79,6 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--sweep", action="store_true", help="time absorption GEMM tiles at the largest M first, keep the best")
     args = ap.parse_args()
     device = torch.device(args.device)
     cpu = device.type == "cpu"
@@ -107,29 +106,6 @@ def main() -> None:
         q = attn.q_b_proj(q_lat).view(H, q_lat.shape[0], nope + R)[:, :, :nope]
         return torch.bmm(q, w_floor)
 
-    sweep = []
-    if args.sweep and not cpu:
-        import cpgraph.kernels.mla_query as kq
-
-        m = max(rows)
-        q_lat = torch.randn(m, cfg.q_lora_rank, device=device, dtype=dtype)
-        positions = torch.arange(m, device=device) % 8192
-        with torch.no_grad():
-            ref = op_query(q_lat, positions)
-            for tile in ([128, 128, 64, 8, 3], [128, 256, 64, 8, 3], [64, 128, 128, 4, 2], [128, 128, 128, 8, 2],
-                         [256, 128, 64, 8, 3], [128, 64, 128, 4, 3], [64, 256, 128, 8, 2], [128, 512, 64, 8, 2]):
-                kq.ABSORB_TILE[:] = tile
-                try:
-                    ms = _time_ms(op_query, (q_lat, positions), repeat, device)
-                    diff = (op_query(q_lat, positions).float() - ref.float()).abs().max().item()
-                except Exception as exc:  # a tile that does not fit is reported, not fatal
-                    print(f"absorb tile {tile}: failed: {str(exc)[:200]}", flush=True)
-                    continue
-                sweep.append({"tile": list(tile), "ms": ms, "max_abs_diff": diff})
-                print(f"absorb tile {tile}: op-eager {ms:.3f} ms at M={m} (|diff| {diff:.2e})", flush=True)
-        if sweep:
-            kq.ABSORB_TILE[:] = min(sweep, key=lambda r: r["ms"])["tile"]
-            print(f"absorb tile chosen: {kq.ABSORB_TILE}", flush=True)
     copy_gbs = None
     if not cpu:
         buf = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
@@ -162,8 +138,7 @@ def main() -> None:
                   f"{row['torch_compiled_max_abs_diff']:.2e} op {row['op_compiled_max_abs_diff']:.2e}", flush=True)
     out = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype), "heads": H, "kv_lora": L, "rope": R, "copy_gbs": copy_gbs, "absorb_sweep": sweep,
-        "results": results,
+        "dtype": str(dtype), "heads": H, "kv_lora": L, "rope": R, "copy_gbs": copy_gbs, "results": results,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
