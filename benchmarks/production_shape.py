@@ -22,7 +22,8 @@ the grouped GEMMs.
 
 Variants (``--variants``, weights/KV): ``bf16/bf16``, ``fp8/bf16``, ``fp8/fp8``, ``bf16/fp8``
 (FP8 KV = 656-byte MLA records + FP8 index-K pages, ``KVLayout(kv_format="fp8")``).
-Cases (``--cases``): one request of 8K, 32K, 64K, 128K new tokens, and 8 requests x 4K.
+Cases (``--cases``): one request of 8K, 32K, 64K, 128K new tokens, and 8 requests x 4K (run in
+the order 8K, 32K, 8x4K, 64K, 128K: the largest last).
 Modes (``--modes``): ``compiled`` (``cpgraph.compile``, Inductor, ``dynamic=False``: one compile
 per (variant, shape)), ``graphed`` (that compiled forward captured and replayed by
 ``GraphRunner`` with the case's exact shapes as its only bucket, so it does not compile again;
@@ -67,15 +68,21 @@ Per case and mode: median ms (CUDA events) and new tokens/s.  Per case (compiled
   is a projection, not a measurement: one GPU cannot hold the whole model; "ideal CP8" divides
   the time by 8 (no communication), so its per-GPU tokens/s equals the one-GPU figure.
 
-Run on the GPU (about 5 minutes for the default: V3.2, 3 variants, 5 cases; ``--quick``: 8K and
-32K only)::
+Run on the GPU (the default -- V3.2, variants bf16/bf16, fp8/bf16, fp8/fp8, all five cases -- is 15
+compiles plus about 90 s of forwards: an estimated 5-6 minutes; ``--quick``: 8K and 32K only)::
 
     python benchmarks/production_shape.py [--models v32,glm5] [--variants all] [--cases 8K,32K]
         [--modes compiled,graphed] [--layers 2] [--profile] [--quick] [--json out.json]
 
+A step that fails (out of memory, a capture a provider refuses) is recorded in its row and
+printed as ERROR, and the run goes on; the JSON is rewritten after every case.
+
 ``--device cpu``: a dry run of every code path at tiny sizes (kv_lora 512 and rope 64 kept,
-which the 656-byte records need; top-k 32; the ``aot_eager`` backend unless ``--backend``);
-its figures mean nothing.
+which the 656-byte records need; top-k 32; the ``aot_eager`` backend unless ``--backend``; one
+thread); its figures mean nothing.  Every variant and case kind, about 2-3 minutes on 2 cores::
+
+    python benchmarks/production_shape.py --device cpu --models v32,glm5 --variants all \
+        --cases 8K,8x4K --modes eager,compiled,graphed --profile
 """
 
 from __future__ import annotations
@@ -185,8 +192,9 @@ class Case:
         return self.requests * self.extend
 
 
-CASES = {c.name: c for c in (Case("8K", 1, 8192), Case("32K", 1, 32768), Case("64K", 1, 65536),
-                             Case("128K", 1, 131072), Case("8x4K", 8, 4096))}  # fmt: skip
+# The largest cases last: a failure that leaves the CUDA context unusable then costs the fewest results.
+CASES = {c.name: c for c in (Case("8K", 1, 8192), Case("32K", 1, 32768), Case("8x4K", 8, 4096),
+                             Case("64K", 1, 65536), Case("128K", 1, 131072))}  # fmt: skip
 QUICK = ("8K", "32K")
 TINY_EXTEND = {"8K": 64, "32K": 128, "64K": 192, "128K": 256, "8x4K": 32}  # --device cpu
 
@@ -558,7 +566,8 @@ def project(bench_cfg, real, seg: dict, once: float, case: Case, measured_ms: fl
     for i in range(L):
         by_index.setdefault(bench_cfg.indexer_types[i], []).append(idx[i])
         by_mlp.setdefault(bench_cfg.mlp_layer_types[i], []).append(layer_ms[i] - idx[i])
-    missing = sorted({f"mlp {m}" for m, _ in counts if m not in by_mlp} | {f"indexer {f}" for _, f in counts if f not in by_index})
+    missing = sorted({f"mlp {m}" for m, _ in counts if m not in by_mlp}
+                     | {f"indexer {f}" for _, f in counts if f not in by_index})
     if missing:
         out["skipped"] = f"the benchmark stack has no layer of kind {', '.join(missing)}"
         return out
@@ -580,7 +589,8 @@ def project(bench_cfg, real, seg: dict, once: float, case: Case, measured_ms: fl
 
 # ------------------------------------------------------------------ one case
 def _oom_types():
-    return tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t)
+    kinds = (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+    return tuple(t for t in kinds if t)
 
 
 def unique_graphs() -> int:
@@ -697,7 +707,8 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
         mla, index = state["pools"] = pool_tensors(pool, model)
         for t in mla + index:
             torch._dynamo.mark_static_address(t)  # a captured graph binds the pool's addresses
-        ids, meta = build_batch(plan_prefill([0] * B, [E] * B, cp_size=1, page_size=page), prompts, tables, model.device)
+        plan_batch = plan_prefill([0] * B, [E] * B, cp_size=1, page_size=page)
+        ids, meta = build_batch(plan_batch, prompts, tables, model.device)
         state["batch"] = (ids, meta)
         row["rows"], row["kv_rows"] = int(ids.shape[0]), int(meta.kv_source.shape[0])
         row["memory"] = {"weights": weight_bytes(model), "kv_pool": pool.total_bytes()}
@@ -945,24 +956,39 @@ def _run(args) -> int:
             sizes = {f.name for f in dataclasses.fields(real)} & set(TINY)
             real = dataclasses.replace(real, **{k: getattr(cfg, k) for k in sizes})
         t0 = time.perf_counter()
-        model = build_random_model(cfg, torch.device(args.device), args.seed)
-        vt.log(f"{MODELS[model_key][0]}: {cfg.num_hidden_layers} layers {list(zip(cfg.mlp_layer_types, cfg.indexer_types))}, "
+        built: dict = {}
+        model = _guarded(built, "error", f"{model_key} model build",
+                         lambda: build_random_model(cfg, torch.device(args.device), args.seed))
+        if model is None:
+            results.append({"model": model_key, "variant": "-", "case": "-", "skipped": built["error"]["error"]})
+            write_json(args.json, meta, results)
+            continue
+        kinds = list(zip(cfg.mlp_layer_types, cfg.indexer_types))
+        vt.log(f"{MODELS[model_key][0]}: {cfg.num_hidden_layers} layers {kinds}, "
                f"{weight_bytes(model) / 2**30:.1f} GiB bf16 weights drawn on {args.device} in "
                f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+        real_kinds = sorted(Counter(zip(real.mlp_layer_types, real.indexer_types)).items())
         meta["models"][model_key] = {"name": MODELS[model_key][0], "bench_config": cfg.to_dict(),
                                      "real_layers": real.num_hidden_layers,
-                                     "real_layer_kinds": {f"{m}/{f}": n for (m, f), n in
-                                                          sorted(Counter(zip(real.mlp_layer_types, real.indexer_types)).items())}}  # fmt: skip
+                                     "real_layer_kinds": {f"{m}/{f}": n for (m, f), n in real_kinds}}
         weights = "bf16"
         for vname in args.variants_list:
             variant = VARIANTS[vname]
             torch._dynamo.reset()
             if variant.weights == "fp8" and weights == "bf16":
                 t0 = time.perf_counter()
-                meta["models"][model_key]["fp8"] = to_fp8_weights_(model)
-                weights = "fp8"
-                vt.log(f"weights quantised to FP8 in place in {time.perf_counter() - t0:.1f} s: "
-                       f"{weight_bytes(model) / 2**30:.1f} GiB")  # fmt: skip
+                info = _guarded(meta["models"][model_key], "fp8", f"{model_key} FP8 conversion",
+                                lambda: to_fp8_weights_(model))
+                weights = "fp8" if info is not None else "failed"
+                if info is not None:
+                    meta["models"][model_key]["fp8"] = info
+                    vt.log(f"weights quantised to FP8 in place in {time.perf_counter() - t0:.1f} s: "
+                           f"{weight_bytes(model) / 2**30:.1f} GiB")  # fmt: skip
+            if weights != variant.weights:
+                results.append({"model": model_key, "variant": vname, "case": "-",
+                                "skipped": f"no {variant.weights} weights: {meta['models'][model_key].get('fp8')}"})
+                write_json(args.json, meta, results)
+                continue
             model.kv_layout = make_layout(model, variant.kv, args.page)
             compiled = cp_compile(model, CPConfig(), backend=args.backend, dynamic=False)
             vt.log(f"{model_key} variant {vname} (weights {variant.weights}, KV {variant.kv})")

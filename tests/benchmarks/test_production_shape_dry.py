@@ -3,9 +3,10 @@
 The GPU run has little device time, so what can be checked without a GPU is checked here: the
 released sizes it builds (against tests/models/test_real_configs.py), the FLOP parts (against
 independent arithmetic), the profile's name patterns, the per-layer marker split and the
-projection arithmetic, on-device random init and the in-place FP8 conversion.  The whole dry
-run (``--device cpu``) takes about a minute per configuration on the 2-core CI machine, so it is
-not run here (see the script's docstring for the command).
+projection arithmetic, on-device random init and the in-place FP8 conversion, and the dry run's
+smallest configuration end to end (one model, bf16 weights and KV, one case: about 4 s).  The
+full dry run (every variant and case kind, a few minutes) is the command in the script's
+docstring.
 """
 
 from __future__ import annotations
@@ -160,3 +161,30 @@ def test_random_model_on_device_and_fp8_in_place():
     assert ((got - ref_q_b).norm() / ref_q_b.norm()).item() < 0.05
     got_up = dequantize_weight(experts.gate_up_proj[0], experts.gate_up_proj_scale_inv[0], 128, 128)
     assert ((got_up - ref_up[0]).norm() / ref_up[0].norm()).item() < 0.05
+
+
+@pytest.mark.slow
+def test_smallest_dry_run_end_to_end(tmp_path):
+    """``--device cpu`` at its smallest: every step runs and the JSON holds each figure the GPU run reports."""
+    out = tmp_path / "dry.json"
+    threads = torch.get_num_threads()
+    assert ps.main(["--device", "cpu", "--variants", "bf16/bf16", "--cases", "8K", "--repeat", "1", "--profile",
+                    "--json", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the dry run's single thread is given back
+    import json
+
+    data = json.loads(out.read_text())
+    (row,) = data["cases"]
+    assert "skipped" not in row and row["best_mode"] in ("compiled", "graphed")
+    assert row["modes"]["compiled"]["graphs_compiled"] == 1  # one compile for the (variant, shape)
+    assert row["modes"]["graphed"]["graphs_compiled"] == 0  # the graph replays that compiled forward
+    assert row["modes"]["graphed"]["max_abs_diff_vs_compiled"] == 0.0
+    assert row["forward_tflop"] * 1e12 == pytest.approx(sum(row["flops_parts_tflop"].values()) * 1e12)
+    seg = row["layer_segments"]
+    assert seg["ok"] and len(seg["kv_write_indexer_ms"]) == 2
+    proj = row["projection"]
+    assert proj["layers"] == 61 and proj["full_model_s"] > 0 and set(proj["kind_ms"]) == {"dense/full", "sparse/full"}
+    cats = row["profile"]["categories"]
+    assert {"sparse attention", "dense linears"} <= set(cats)
+    assert row["memory_plan"]["total"] > 0 and row["share_of_bf16_gemm"] > 0
+    assert data["meta"]["gemm"]["fp8_blockwise_skipped"] == "not a CUDA tensor"
