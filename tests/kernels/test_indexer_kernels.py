@@ -266,9 +266,16 @@ def test_row_result_independent_of_batch_composition():
 
 def test_providers_through_the_ops():
     """The custom ops dispatch to the Triton providers when registered (and back when not)."""
+    from provider_state import registry_restored
+
     from cpgraph.ops.providers import active_provider, register_provider, unregister_provider
 
     table = ki.providers()
+    with registry_restored(DEV):
+        _dispatch_through_the_ops(table, active_provider, register_provider, unregister_provider)
+
+
+def _dispatch_through_the_ops(table, active_provider, register_provider, unregister_provider):
     for op, fn in table.items():
         register_provider(op, DEV, "triton", fn)
     try:

@@ -490,9 +490,12 @@ def test_materialize_placement_per_kind(device):
 # ------------------------------------------------------------- provider wiring
 @pytest.fixture
 def providers_on_device(device):
-    registered = kernels.register_triton_providers((device,))
-    yield registered
-    kernels.unregister_triton_providers((device,))
+    from provider_state import registry_restored
+
+    with registry_restored(device):  # on CUDA these are the process's default providers: put them back
+        registered = kernels.register_triton_providers((device,))
+        yield registered
+        kernels.unregister_triton_providers((device,))
 
 
 def test_ops_dispatch_to_triton(providers_on_device, device):
