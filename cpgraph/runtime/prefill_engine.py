@@ -379,6 +379,13 @@ class PrefillEngine:
         if self.cp_size > 1:
             self._broadcast([("stop",)])
 
+    def reset_cache(self) -> None:
+        """Leader, idle: empty the radix cache (L1 and L2) on every rank and zero the counters (after a warm-up)."""
+        if self.cp_size > 1:
+            self._broadcast([("evict",)])
+        self._apply(("evict",))
+        self.stats = _Stats()
+
     def heartbeat(self) -> None:
         """Leader, idle: an empty step keeps the followers' broadcast inside its timeout."""
         if self.cp_size > 1:
@@ -426,6 +433,12 @@ class PrefillEngine:
             self._release(live)
             if live.room is not None and self.transfer is not None:
                 self.transfer.abort(live.room)
+        elif kind == "evict":
+            if self._live:
+                raise RuntimeError("prefill engine: the cache is reset only while no request is admitted")
+            self.cache.evict_device()
+            if self.cache.hicache is not None:
+                self.cache.tree.evict_host(1 << 62, self.cache._release_host)
         else:
             raise ValueError(f"prefill engine: unknown op {kind!r}")
 

@@ -215,9 +215,9 @@ class PrefillServer:
         """Listen, and start the engine thread (warm-up first)."""
         self._loop = asyncio.get_running_loop()
         self._done = asyncio.Event()
-        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, shutdown_timeout=5.0)
+        site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the bound port (port 0: ephemeral)
         self._engine_thread = threading.Thread(target=self._engine_main, name="cpgraph-engine", daemon=True)
