@@ -503,6 +503,7 @@ class PrefillEngine:
         live.t_admit = self.clock()
         return True
 
+    @torch.no_grad()  # grad mode is per thread: the engine thread must not record (or compile) a backward
     def _run(self, chunks: list[tuple[int, int, int]]) -> list[RequestHandle]:
         """Allocate, forward and finish one step's chunks (every rank, same order)."""
         ps = self.page_size
