@@ -251,8 +251,7 @@ class PrefillEngine:
             return "invalid", "the prompt is empty"
         if len(tokens) > self.max_prompt_tokens:
             return "too_long", f"the prompt has {len(tokens)} tokens; this engine takes at most {self.max_prompt_tokens}"
-        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab),
-                   None)
+        bad = _bad_token(tokens, self.vocab)
         if bad is not None:
             return "invalid", f"token {bad!r} is not an id in [0, {self.vocab}) (the model's vocabulary)"
         if not isinstance(request.sampling, Sampling):
@@ -653,6 +652,15 @@ class _Stats:
     transfer_failures: int = 0
     last_step_tokens: int = 0
     step_seconds: float = 0.0
+
+
+def _bad_token(tokens: list, vocab: int):
+    """The first entry that is not a token id in ``[0, vocab)``, or ``None`` (vectorised: prompts are long)."""
+    if not set(map(type, tokens)) <= {int, np.int64}:
+        return next(t for t in tokens if type(t) not in (int, np.int64))
+    arr = np.asarray(tokens, dtype=object if max(map(abs, tokens)) >= 2**63 else np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+    return tokens[int(bad[0])] if bad.size else None
 
 
 def _graph_replays(forward) -> int:

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 MAX_LOGPROBS = 20
 
 
@@ -80,11 +82,14 @@ def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
 def _token_ids(value, where: str, vocab: int) -> list[int]:
     if not value:
         raise ApiError(400, f"{where} is empty", "prompt")
-    for j, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise ApiError(400, f"{where}[{j}] must be a token id (an integer), got {type(t).__name__}", "prompt")
-        if not 0 <= t < vocab:
-            raise ApiError(400, f"{where}[{j}] = {t} is not a token id in [0, {vocab})", "prompt")
+    if not set(map(type, value)) <= {int}:  # C-speed type scan (a bool is not a token id)
+        j, t = next((j, t) for j, t in enumerate(value) if type(t) is not int)
+        raise ApiError(400, f"{where}[{j}] must be a token id (an integer), got {type(t).__name__}", "prompt")
+    arr = np.asarray(value, dtype=object if max(map(abs, value)) >= 2**63 else np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+    if bad.size:
+        j = int(bad[0])
+        raise ApiError(400, f"{where}[{j}] = {value[j]} is not a token id in [0, {vocab})", "prompt")
     return list(value)
 
 
