@@ -378,6 +378,14 @@ class PrefillEngine:
         if self.cp_size > 1:
             self._broadcast([("stop",)])
 
+    def fail_all(self, error: str) -> None:
+        """Leader, after a fatal error: answer every queued and admitted request as failed (touches no cache state)."""
+        with self._lock:
+            self._stopped = True
+            new, self._inbox = self._inbox, []
+        for live in new + list(self._live.values()):
+            self._close(live, FAILED, error=error)
+
     def reset_cache(self) -> None:
         """Leader, idle: empty the radix cache (L1 and L2) on every rank and zero the counters (after a warm-up)."""
         if self.cp_size > 1:
@@ -497,7 +505,14 @@ class PrefillEngine:
         # request then has to wait (``unadmit``), so every rank's tree goes through the same sequence.
         self._log(ops, ("admit", live.id, live.tokens, live.room, budget))
         if not live.ends or (live.reserve > self._available()).any():
+            # Chunks split a prompt's pages over the lanes a little differently from one pass: a sequence
+            # that exceeds a lane's capacity outright can never run, even on an empty pool.
+            never = bool(live.ends) and bool((live.reserve > self.num_pages).any())
             self._log(ops, ("unadmit", live.id))
+            if never:
+                self.scheduler.remove(live)
+                self._close(live, REFUSED, error=f"the prompt's chunks need more KV pages on one rank than the "
+                                                 f"pool's {self.num_pages}", refusal="too_long")
             return False
         live.t_admit = self.clock()
         return True
@@ -607,7 +622,8 @@ class PrefillEngine:
             self.transfer.abort(live.room)
         return self._close(live, FAILED, error=" ".join(f"{type(exc).__name__}: {exc}".split()))
 
-    def _close(self, live: _Live, status: str, choice=None, error: str | None = None) -> RequestHandle | None:
+    def _close(self, live: _Live, status: str, choice=None, error: str | None = None,
+               refusal: str | None = None) -> RequestHandle | None:
         """Leader: the request leaves the engine; build and deliver its result."""
         self.scheduler.remove(live)
         self._live.pop(live.id, None)
@@ -620,7 +636,7 @@ class PrefillEngine:
                             computed_tokens=len(live.tokens) - sum(hits.values()) if status == FINISHED else 0,
                             timings={"queue": admitted - live.t_submit, "prefill": now - admitted,
                                      "transfer": live.transfer_s, "total": now - live.t_submit},
-                            error=error)
+                            error=error, refusal=refusal)
         if status in (CANCELLED, TIMEOUT) and error is None:
             res.error = "cancelled by the client" if status == CANCELLED else "the request timed out"
         if choice is not None:

@@ -101,6 +101,7 @@ class PrefillServer:
         except BaseException as exc:  # noqa: BLE001  (report through /health; never hang the handlers)
             self.failed = " ".join(f"{type(exc).__name__}: {exc}".split())
             log.exception("cpgraph serve: the engine thread failed")
+            self.engine.fail_all(f"the engine failed: {self.failed}")  # no handler waits forever
         finally:
             try:
                 self.engine.stop_followers()

@@ -260,6 +260,8 @@ def _local_rank(rank: int, spec: ServeSpec, port: int) -> None:
             h = logging.StreamHandler()
             h.setFormatter(logging.Formatter(f"%(name)s (rank {rank}): %(levelname)s: %(message)s"))
             logger.addHandler(h)
+        if spec.log_level > logging.INFO:
+            logging.getLogger("cpgraph.serve").setLevel(logging.INFO)  # the lifecycle lines, as in one process
     sys.exit(serve_rank(spec))
 
 

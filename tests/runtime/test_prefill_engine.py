@@ -81,3 +81,24 @@ def test_timeout_and_cancel_return_the_ledger(model):
     assert not eng.has_work()
     after = (eng.cache.device.ledger.used, eng.cache.pool.num_free, eng.cache.tree.device_pages_total)
     assert np.array_equal(after[0], before[0]) and after[1:] == before[1:]
+
+
+def test_a_failed_forward_fails_its_requests_and_gives_their_pages_back(model):
+    broken = {"on": False}
+
+    def forward(ids, meta, mla, index, **k):
+        if broken["on"]:
+            raise RuntimeError("injected failure")
+        return model(ids, meta, mla, index, **k)
+
+    eng = PrefillEngine(forward, model, num_pages=32, page_size=PAGE, scheduler=SchedulerConfig(token_budget=64))
+    before = (eng.cache.device.ledger.used.copy(), eng.cache.pool.num_free)
+    broken["on"] = True
+    h = eng.submit(engine_request(list(range(100))))
+    eng.run_until_idle()
+    assert h.result.status == "failed" and "injected failure" in h.result.error
+    assert np.array_equal(eng.cache.device.ledger.used, before[0]) and eng.cache.pool.num_free == before[1]
+    broken["on"] = False
+    ok = eng.submit(engine_request(list(range(100))))
+    eng.run_until_idle()
+    assert ok.result.status == "finished"
