@@ -77,6 +77,9 @@ def build_server(args):
                      token_budget=args.token_budget, max_batch_requests=args.max_batch_requests,
                      max_queue=max(1024, 2 * args.requests), cuda_graphs=args.cuda_graphs, request_timeout=None)
     engine = build_engine(model, make_forward(model, spec), spec)
+    from dataclasses import replace
+
+    engine.scheduler.config = replace(engine.scheduler.config, defer_shared_tokens=args.defer_tokens)
     assert isinstance(engine.scheduler.config, SchedulerConfig)
     server = PrefillServer(engine, served=("bench",)).start_background()
     server.wait_ready()
@@ -200,6 +203,8 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=2048)
     ap.add_argument("--max-batch-requests", type=int, default=64)
     ap.add_argument("--requests", type=int, default=128, help="requests per load phase")
+    ap.add_argument("--defer-tokens", type=int, default=64,
+                    help="wait for an in-flight shared prefix of at least this many tokens (0: never wait)")
     ap.add_argument("--idle", type=int, default=20, help="requests of the idle-overhead phase")
     ap.add_argument("--systems", type=int, default=8)
     ap.add_argument("--system-len", type=int, nargs=2, default=(1024, 4096))

@@ -22,11 +22,14 @@ so every rule below is testable without a model.
   requests are admitted in arrival order; when the one in line does not fit
   (pages or budget), nobody behind it is admitted in this step, so a stream of
   short requests cannot overtake a long one indefinitely.
-* **Shared prefixes in flight.**  A waiting request whose leading pages are
-  being computed right now by a running request (beyond that request's own
-  cache hit) would compute them a second time; it waits for them to reach the
-  radix cache instead, at most ``max_defer_steps`` steps, and requests behind
-  it may pass it meanwhile (it keeps its place in line).
+* **Shared prefixes in flight.**  A waiting request whose leading pages
+  (``defer_shared_tokens`` or more, beyond the other request's own cache hit)
+  are being computed in this step by a request that finishes in this step
+  would compute them a second time; it waits one step for them to reach the
+  radix cache instead (at most ``max_defer_steps`` times), and requests behind
+  it may pass it meanwhile (it keeps its place in line).  A sharer that needs
+  more steps is not waited for: the wait would cost more latency than the
+  compute it saves.
 
 The engine supplies ``admit(entry, budget) -> bool``: match the radix cache,
 fix the chunk sequence, and reserve pages; ``False`` when the request must wait
@@ -94,18 +97,25 @@ def first_chunk(remaining: int, budget: int, page_size: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _extend_owners(extend: int, cp_size: int, page_size: int) -> tuple[int, ...]:
+def _extend_owners(extend: int, cp_size: int, page_size: int) -> np.ndarray:
     # Owners of a request's extend pages depend only on its own extend length (request-first split).
-    return tuple(plan_prefill([0], [extend], cp_size=cp_size, page_size=page_size).page_owners(0))
+    owners = np.asarray(plan_prefill([0], [extend], cp_size=cp_size, page_size=page_size).page_owners(0),
+                        dtype=np.int64)
+    owners.flags.writeable = False  # shared by every caller of the cache
+    return owners
 
 
 def chunk_owners(start: int, end: int, cp_size: int, page_size: int) -> np.ndarray:
-    """Owner rank of each page a chunk ``[start, end)`` allocates (``start`` is page aligned)."""
-    return np.asarray(_extend_owners(end - start, cp_size, page_size), dtype=np.int64)
+    """Owner rank of each page a chunk ``[start, end)`` allocates (``start`` is page aligned); read-only."""
+    if cp_size == 1:  # one rank owns everything: no plan needed
+        return np.zeros(-(-(end - start) // page_size), dtype=np.int64)
+    return _extend_owners(end - start, cp_size, page_size)
 
 
 def lane_pages(starts: Sequence[int], ends: Sequence[int], cp_size: int, page_size: int) -> np.ndarray:
     """``[cp_size]`` pages each rank allocates for the chunks ``[starts[i], ends[i])``."""
+    if cp_size == 1:
+        return np.asarray([sum(-(-(e - s) // page_size) for s, e in zip(starts, ends))], dtype=np.int64)
     need = np.zeros(cp_size, dtype=np.int64)
     for s, e in zip(starts, ends):
         need += np.bincount(chunk_owners(s, e, cp_size, page_size), minlength=cp_size)
@@ -150,14 +160,14 @@ class Scheduler:
             except ValueError:
                 pass
 
-    def _shares_in_flight(self, entry) -> bool:
-        """Would ``entry`` recompute leading pages a running request is computing now?"""
+    def _shares_in_flight(self, entry, finishing: list) -> bool:
+        """Would ``entry`` recompute leading pages that a request finishing in this step is computing?"""
         need = self.config.defer_shared_tokens
         if not need or entry.defers >= self.config.max_defer_steps:
             return False
         ps = self.page_size
         cap = (entry.tokens_np.shape[0] - 1) // ps * ps  # a hit keeps one token to compute
-        for r in self.running:
+        for r in finishing:
             common = min(shared_prefix(entry.tokens_np, r.tokens_np), cap) // ps * ps
             if common - r.prefix_len >= max(need, ps):
                 return True
@@ -166,7 +176,7 @@ class Scheduler:
     def next_step(self, admit: Callable[[object, int], bool]) -> list[tuple[object, int, int]]:
         """``[(entry, start, end)]``: the chunks of the next step (may be empty)."""
         cfg = self.config
-        budget, batch = cfg.token_budget, []
+        budget, batch, finishing = cfg.token_budget, [], []
         for e in self.running:
             if len(batch) == cfg.max_batch_requests:
                 break
@@ -174,14 +184,16 @@ class Scheduler:
             if end - e.done <= budget:
                 batch.append((e, e.done, end))
                 budget -= end - e.done
+                if end == e.tokens_np.shape[0]:
+                    finishing.append(e)
         for e in list(self.waiting):
             if len(batch) == cfg.max_batch_requests or budget == 0:
                 break
-            if budget < self.page_size and e.tokens_np.shape[0] > budget:
-                break  # only whole pages of a longer prompt can be a chunk
-            if self._shares_in_flight(e):
+            if self._shares_in_flight(e, finishing):
                 e.defers += 1
                 continue
+            if budget < self.page_size and e.tokens_np.shape[0] > budget:
+                break  # only whole pages of a longer prompt can be a chunk
             if not admit(e, budget):
                 break  # FIFO: nobody behind a request that does not fit yet
             self.waiting.remove(e)
@@ -189,4 +201,6 @@ class Scheduler:
             end = e.ends[0]
             batch.append((e, e.done, end))
             budget -= end - e.done
+            if end == e.tokens_np.shape[0]:
+                finishing.append(e)
         return batch
