@@ -729,7 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
     from cpgraph.cli_serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
-    for name in ("plan", "memory", "run", "pd", "launch", "serve"):  # -v also after the subcommand; SUPPRESS keeps a global -v
+    # -v also after the subcommand; SUPPRESS keeps a global -v
+    for name in ("plan", "memory", "run", "pd", "launch", "serve"):
         _add_verbose(sub.choices[name], argparse.SUPPRESS)
     return parser
 

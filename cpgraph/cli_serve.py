@@ -100,8 +100,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="tokens of the warm-up request run before /health turns 200 (default 64; 0 = none)")
     s.add_argument("--timeout", type=float, default=600.0,
                    help="with --cp: seconds the rendezvous and each collective may wait (default 600)")
-    s.add_argument("--quiet", action="store_true", help="no lifecycle lines (warm-up, ready, draining) on stderr; the listening address is "
-                                                         "always printed")
+    s.add_argument("--quiet", action="store_true",
+                   help="no lifecycle lines (warm-up, ready, draining) on stderr; the listening address is always "
+                        "printed")
     s.set_defaults(func=main)
     return s
 

@@ -251,7 +251,8 @@ class PrefillEngine:
         if not tokens:
             return "invalid", "the prompt is empty"
         if len(tokens) > self.max_prompt_tokens:
-            return "too_long", f"the prompt has {len(tokens)} tokens; this engine takes at most {self.max_prompt_tokens}"
+            return "too_long", (f"the prompt has {len(tokens)} tokens; this engine takes at most "
+                                f"{self.max_prompt_tokens}")
         bad = _bad_token(tokens, self.vocab)
         if bad is not None:
             return "invalid", f"token {bad!r} is not an id in [0, {self.vocab}) (the model's vocabulary)"

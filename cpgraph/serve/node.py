@@ -60,7 +60,7 @@ class ServeSpec:
 
 
 def served_names(spec: ServeSpec) -> tuple[str, ...]:
-    """Names a request's ``model`` may give: ``--served-model-name`` (or the model's name), then ``--model`` as given."""
+    """Names a request's ``model`` may give: ``--served-model-name`` (or the model's name), then ``--model``."""
     base = spec.served_name or os.path.basename(os.path.normpath(str(spec.model))) or str(spec.model)
     return tuple(dict.fromkeys([base, str(spec.model)]))
 

@@ -19,14 +19,12 @@ again through the log-sum-exp).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

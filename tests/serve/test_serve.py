@@ -203,7 +203,8 @@ def test_other_endpoints(server):
     assert status == 200
     for name, labels in [("cpgraph_queue_depth", ""), ("cpgraph_running_tokens", ""),
                          ("cpgraph_kv_pages", 'state="used"'), ("cpgraph_kv_pages", 'state="free"'),
-                         ("cpgraph_cached_tokens_total", 'tier="device"'), ("cpgraph_cached_tokens_total", 'tier="host"'),
+                         ("cpgraph_cached_tokens_total", 'tier="device"'),
+                         ("cpgraph_cached_tokens_total", 'tier="host"'),
                          ("cpgraph_steps_total", 'kind="graph"'), ("cpgraph_steps_total", 'kind="eager"'),
                          ("cpgraph_transfer_bytes_total", ""), ("cpgraph_transfer_failures_total", ""),
                          ("cpgraph_prompt_tokens_total", ""), ("cpgraph_ttft_seconds_count", "")]:

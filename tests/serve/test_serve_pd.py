@@ -78,7 +78,8 @@ def test_decode_room_receives_the_prefill_pool_bytes():
             pages = len(tokens) // PAGE
             for (name, a), (_, b) in zip(payloads_of(engine.cache.pool), payloads_of(decode.pool)):
                 assert torch.equal(a[torch.as_tensor(src)], b[torch.as_tensor(table[:pages])]), (room, name)
-            assert sent["bytes_sent"] == pages * engine.cache.pool.bytes_per_page() + AUX_BYTES  # + the first-token record
+            # The pages and the first-token record.
+            assert sent["bytes_sent"] == pages * engine.cache.pool.bytes_per_page() + AUX_BYTES
             decode.release(room)
         # A room nobody registered is refused up front, naming the field.
         status, err = post(server.url, {"prompt": first, "kv_transfer": {"room": 7}})
