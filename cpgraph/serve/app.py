@@ -102,6 +102,8 @@ class PrefillServer:
             self.failed = " ".join(f"{type(exc).__name__}: {exc}".split())
             log.exception("cpgraph serve: the engine thread failed")
             self.engine.fail_all(f"the engine failed: {self.failed}")  # no handler waits forever
+            if self._loop is not None:  # and the process ends (status 1) instead of serving 503s forever
+                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown()))
         finally:
             try:
                 self.engine.stop_followers()
@@ -255,7 +257,8 @@ class PrefillServer:
         await self._done.wait()
 
     def serve_forever(self, on_listening: Callable[[str], None] | None = None) -> int:
-        """Run in the main thread until SIGTERM/SIGINT has drained the server; returns the exit status (0)."""
+        """Run in the main thread until SIGTERM/SIGINT has drained the server (exit status 0), or the engine
+        failed (1, after answering every request it held)."""
         async def main():
             task = asyncio.ensure_future(self._serve(install_signals=True))
             while not self._started.is_set() and not task.done():

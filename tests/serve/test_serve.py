@@ -268,3 +268,17 @@ def test_cancel_mid_prefill_frees_its_pages_and_a_full_queue_is_429(slow_server)
     assert np.array_equal(after[0], before[0]) and after[1:] == before[1:], (before, after)
     assert slow_server.engine.snapshot()["outcomes"]["cancelled"] == 3
     assert post(url, {"prompt": [4, 5, 6]})[0] == 200  # and it keeps serving
+
+
+def test_a_failing_engine_answers_its_requests_and_stops(model):
+    def broken(ids, meta, mla, index, **kw):
+        raise AssertionError("a bug in the forward")
+
+    engine = PrefillEngine(broken, model, num_pages=64, page_size=PAGE)
+    engine.step = lambda: (_ for _ in ()).throw(RuntimeError("the step loop broke"))  # a bug outside one step
+    server = PrefillServer(engine, served=("tiny-glm5",)).start_background()
+    server.wait_ready()
+    status, err = post(server.url, {"prompt": [1, 2, 3]})
+    assert status == 500 and "the step loop broke" in err["error"]["message"]
+    server._thread.join(30)  # it shut itself down
+    assert not server._thread.is_alive() and server.failed
