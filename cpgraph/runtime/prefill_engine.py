@@ -359,7 +359,7 @@ class PrefillEngine:
             finished += self._run(run[1])
         return finished
 
-    def follow(self, should_stop: Callable[[], bool] | None = None) -> None:
+    def follow(self) -> None:
         """Ranks other than the leader: apply the leader's ops, step by step, until it sends ``stop``."""
         if self.is_leader:
             raise RuntimeError("PrefillEngine.follow runs on ranks other than the leader")
