@@ -39,6 +39,8 @@ functions of that op sequence alone, so every rank takes the same eviction
 and allocation decisions and runs the same plan -- the forward's
 collectives line up.  Only the leader samples and answers.
 
+Requests, results and handles are in :mod:`cpgraph.runtime.requests`.
+
 **Transfer** (``transfer``): an object with ``registered(room) -> bool``,
 ``send_chunk(room, table, page_start, page_end, last, first_token,
 prompt_len) -> bool``, ``bytes_sent(room) -> int``, ``finish(room)`` and
@@ -54,8 +56,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
@@ -66,87 +67,13 @@ from cpgraph.plan import plan_prefill
 
 from .cache_engine import CacheEngine, _Request
 from .engine import forward_batch
-from .inputs import InputError
 from .radix import TokenKey, check_consistent
+from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
+                       RequestHandle, RequestResult, _Stats, engine_request)
 from .sampling import Sampling, choose_first_token
 from .scheduler import Scheduler, SchedulerConfig, chunk_ends, chunk_owners, first_chunk, lane_pages
 
 log = logging.getLogger(__name__)
-
-FINISHED, CANCELLED, TIMEOUT, REFUSED, FAILED = "finished", "cancelled", "timeout", "refused", "failed"
-OUTCOMES = (FINISHED, CANCELLED, TIMEOUT, REFUSED, FAILED)
-# Why a request was refused at submit: the HTTP layer maps each to its status (413, 429, 400, 503).
-REFUSALS = ("invalid", "too_long", "queue_full", "room", "stopped")
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One prompt to prefill; the first token is chosen by ``sampling``."""
-
-    tokens: Sequence[int]
-    sampling: Sampling = field(default_factory=Sampling)
-    top_logprobs: int = 0  # how many most likely first tokens to report with their logprobs (0-20)
-    transfer_room: int | None = None  # a decode's registered Mooncake room: send this request's KV there
-    timeout: float | None = None  # seconds from submit before the request is cancelled (None: the engine's)
-
-
-@dataclass
-class RequestResult:
-    status: str  # one of OUTCOMES
-    prompt_tokens: int
-    token: int | None = None  # the first token (status "finished")
-    logprob: float | None = None
-    top_logprobs: list = field(default_factory=list)  # [(token id, logprob)], most likely first
-    cached_tokens: dict = field(default_factory=lambda: {"device": 0, "host": 0})  # prompt tokens per cache tier
-    computed_tokens: int = 0
-    chunks: int = 0  # forward steps this request took part in
-    timings: dict = field(default_factory=dict)  # seconds: queue, prefill, transfer, total
-    transfer: dict | None = None  # {"room", "ok", "bytes_sent"} when the request named a room
-    error: str | None = None
-    refusal: str | None = None  # with status "refused": one of REFUSALS
-
-    @property
-    def cached(self) -> int:
-        return sum(self.cached_tokens.values())
-
-
-class RequestHandle:
-    """What :meth:`PrefillEngine.submit` returns: poll :meth:`done`, read :attr:`result`, or :meth:`wait`."""
-
-    def __init__(self, rid: int, request: EngineRequest):
-        self.id, self.request = rid, request
-        self.result: RequestResult | None = None
-        self._event = threading.Event()
-        self._callbacks: list[Callable[["RequestHandle"], None]] = []
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> RequestResult | None:
-        self._event.wait(timeout)
-        return self.result
-
-    def add_done_callback(self, fn: Callable[["RequestHandle"], None]) -> None:
-        """``fn(handle)`` once the result is set (at once if it is): runs in the thread that finished it."""
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def _finish(self, result: RequestResult) -> None:
-        with self._lock:
-            if self._event.is_set():
-                return
-            self.result = result
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:  # noqa: BLE001  (a caller's callback must not stop the engine)
-                log.exception("prefill engine: a done-callback of request %d raised", self.id)
 
 
 class _Live:
@@ -662,18 +589,6 @@ class PrefillEngine:
         return live.handle
 
 
-@dataclass
-class _Stats:
-    prompt_tokens: int = 0
-    computed_tokens: int = 0
-    cached_tokens: dict = field(default_factory=lambda: {"device": 0, "host": 0})
-    steps: dict = field(default_factory=lambda: {"graph": 0, "eager": 0})
-    outcomes: dict = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
-    transfer_bytes: int = 0
-    transfer_failures: int = 0
-    last_step_tokens: int = 0
-    step_seconds: float = 0.0
-
 
 def _bad_token(tokens: list, vocab: int):
     """The first entry that is not a token id in ``[0, vocab)``, or ``None`` (vectorised: prompts are long)."""
@@ -690,17 +605,6 @@ def _graph_replays(forward) -> int:
     if not runners:
         return 0
     return sum(r["replays"] for runner in runners.values() for r in runner.capture_report() if r["captured"])
-
-
-def engine_request(tokens, *, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                   top_logprobs: int = 0, transfer_room: int | None = None,
-                   timeout: float | None = None) -> EngineRequest:
-    """An :class:`EngineRequest` from plain values; :class:`InputError` naming the bad one."""
-    try:
-        sampling = Sampling(temperature, top_p, seed)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    return EngineRequest(list(tokens), sampling, top_logprobs, transfer_room, timeout)
 
 
 __all__ = ["EngineRequest", "PrefillEngine", "RequestHandle", "RequestResult", "Sampling", "SchedulerConfig",
