@@ -102,3 +102,18 @@ def test_a_failed_forward_fails_its_requests_and_gives_their_pages_back(model):
     ok = eng.submit(engine_request(list(range(100))))
     eng.run_until_idle()
     assert ok.result.status == "finished"
+
+
+def test_l2_hits_are_loaded_back_and_reported_per_tier(model):
+    eng = _engine(model, num_pages=32, host_pages=32)
+    [prompt] = _prompts([70], seed=8)
+    first = eng.submit(engine_request(prompt, top_logprobs=3))
+    eng.run_until_idle()
+    assert first.result.cached_tokens == {"device": 0, "host": 0}
+    assert eng.cache.evict_device() > 0  # everything to L2
+    again = eng.submit(engine_request(prompt, top_logprobs=3))
+    eng.run_until_idle()
+    r = again.result
+    assert r.status == "finished" and r.cached_tokens == {"device": 0, "host": 64} and r.computed_tokens == 6
+    assert r.token == first.result.token and abs(r.logprob - first.result.logprob) <= TOL
+    assert eng.snapshot()["cached_tokens"]["host"] == 64
