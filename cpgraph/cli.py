@@ -739,7 +739,11 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     ln.set_defaults(func=_cmd_launch)
 
-    for name in ("plan", "memory", "run", "pd", "launch"):  # -v also after the subcommand; SUPPRESS keeps a global -v
+    from cpgraph.cli_serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
+    # -v also after the subcommand; SUPPRESS keeps a global -v
+    for name in ("plan", "memory", "run", "pd", "launch", "serve"):
         _add_verbose(sub.choices[name], argparse.SUPPRESS)
     return parser
 

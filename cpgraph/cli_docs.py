@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from cpgraph.cli_serve import EXAMPLES as _SERVE_EXAMPLES
+
 # A worked example per command (key None) and per flag.  Every line is a
 # complete command that the parser accepts (tested).
 EXAMPLES: dict[str, dict[str | None, str]] = {
@@ -95,6 +97,7 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--json": "cpgraph pd --json pd.json",
         "--quiet": "cpgraph pd --quiet",
     },
+    "serve": _SERVE_EXAMPLES,  # kept beside the serve parser (cpgraph/cli_serve.py)
 }
 
 _INTRO = """\
@@ -107,7 +110,8 @@ Subcommands: `plan` (how a batch is split over a CP group), `memory` (per-rank b
 prefill from a model config: weights, KV, activation peak), `run` (prefill prompts on one device or
 a CP group it spawns, compared with one device), `pd` (CP prefill, Mooncake KV transfer to a decode
 process, one decode step checked against transformers), `launch` (one rank of a `torchrun` job:
-data-parallel CP groups on one node or many; see [launch.md](launch.md)).
+data-parallel CP groups on one node or many; see [launch.md](launch.md)), `serve` (a long-running
+prefill node with an OpenAI-compatible HTTP API; see [serve.md](serve.md)).
 
 Errors: a bad flag, prompt, checkpoint or output path is reported as ONE line on stderr,
 `cpgraph <command>: error: <what>`, with exit status 2, before any rank is spawned or model

@@ -1,0 +1,185 @@
+"""``cpgraph serve``: its flags, their checks and the dispatch to one device, a local CP group or torchrun.
+
+Kept out of :mod:`cpgraph.cli` (which only registers it) so the serving
+command's flags and rules live in one place.  Flags are checked before any
+model is loaded, each bad one reported as one line (exit status 2); see
+docs/serve.md for the API the server speaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import ipaddress
+import logging
+import os
+
+from cpgraph.runtime.inputs import InputError, user_input
+
+# A worked example per flag for docs/cli.md (cpgraph.cli_docs); every line must parse.
+EXAMPLES: dict[str | None, str] = {
+    None: "cpgraph serve --model tiny-glm5 --port 8000",
+    "--model": "cpgraph serve --model ./GLM-5",
+    "--served-model-name": "cpgraph serve --model ./GLM-5 --served-model-name glm-5",
+    "--host": "cpgraph serve --model tiny-glm5 --host 127.0.0.1",
+    "--port": "cpgraph serve --model tiny-glm5 --port 0",
+    "--cp": "cpgraph serve --model tiny-glm5 --cp 2 --backend aot_eager",
+    "--device": "cpgraph serve --model ./GLM-5 --device cuda",
+    "--backend": "cpgraph serve --model tiny-glm5 --backend inductor",
+    "--kv-format": "cpgraph serve --model tiny-deepseek-v32-fp8 --kv-format fp8",
+    "--dtype": "cpgraph serve --model ./GLM-5 --dtype bfloat16",
+    "--weights": "cpgraph serve --model ./DeepSeek-V3.2 --device cuda --dtype bfloat16 --weights fp8",
+    "--page": "cpgraph serve --model ./GLM-5 --page 64",
+    "--num-pages": "cpgraph serve --model tiny-glm5 --num-pages 8192",
+    "--host-pages": "cpgraph serve --model tiny-glm5 --host-pages 16384",
+    "--token-budget": "cpgraph serve --model tiny-glm5 --token-budget 4096",
+    "--chunk-tokens": "cpgraph serve --model tiny-glm5 --token-budget 4096 --chunk-tokens 1024",
+    "--max-batch-requests": "cpgraph serve --model tiny-glm5 --max-batch-requests 16",
+    "--max-queue": "cpgraph serve --model tiny-glm5 --max-queue 256",
+    "--max-prompt-tokens": "cpgraph serve --model tiny-glm5 --max-prompt-tokens 32768",
+    "--request-timeout": "cpgraph serve --model tiny-glm5 --request-timeout 120",
+    "--cuda-graphs": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --cuda-graphs",
+    "--kv-transfer": "cpgraph serve --model tiny-glm5 --kv-transfer",
+    "--warmup-tokens": "cpgraph serve --model tiny-glm5 --warmup-tokens 0",
+    "--timeout": "cpgraph serve --model tiny-glm5 --cp 2 --backend aot_eager --timeout 1800",
+    "--quiet": "cpgraph serve --model tiny-glm5 --quiet",
+}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="a long-running CP prefill node: OpenAI-compatible completions over HTTP, "
+                                     "continuous scheduling, radix cache, KV handoff to decode (see docs/serve.md)")
+    s.add_argument("--model", required=True, help="bundled tiny model name or a local HF checkpoint dir")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name requests give and responses report (default: the --model name or "
+                        "directory name)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, loopback only; give another address to expose it)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="TCP port (default 8000; 0 = any free port, printed at start); under torchrun CP group g "
+                        "serves on port + g")
+    s.add_argument("--cp", type=int, default=1,
+                   help="CP group size: without torchrun, spawns N ranks on this machine (gloo on cpu, one GPU per "
+                        "rank on cuda); under torchrun WORLD_SIZE / cp data-parallel groups (default 1)")
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cpu, or cuda (a CP rank on cuda:LOCAL_RANK) (default auto: cuda when visible)")
+    s.add_argument("--backend", choices=("eager", "aot_eager", "inductor"), default=None,
+                   help="forward: eager model (one device only), or cpgraph.compile with aot_eager or inductor "
+                        "(default: eager on one device, inductor with --cp)")
+    s.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
+                   help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="model dtype (default: the checkpoint config's; float32 for bundled models)")
+    s.add_argument("--weights", choices=("dequantize", "fp8"), default=None,
+                   help="FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections (fp8)")
+    s.add_argument("--page", type=int, default=16, help="KV page size, a power of two (default 16; 64 for the "
+                                                        "production kernels)")
+    s.add_argument("--num-pages", type=int, default=4096, help="KV pages per rank (L1, the device pool) (default 4096)")
+    s.add_argument("--host-pages", type=int, default=0,
+                   help="L2 host pages per rank for HiCache (default 0: no L2)")
+    s.add_argument("--token-budget", type=int, default=2048,
+                   help="prompt tokens computed per step, all requests together (default 2048)")
+    s.add_argument("--chunk-tokens", type=int, default=None,
+                   help="chunked prefill: tokens per chunk after a request's first, a page multiple <= the budget "
+                        "(default: the budget in whole pages)")
+    s.add_argument("--max-batch-requests", type=int, default=64, help="requests per step (default 64)")
+    s.add_argument("--max-queue", type=int, default=1024,
+                   help="requests waiting for admission before new ones get HTTP 429 (default 1024)")
+    s.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longer prompts get HTTP 413 (default: the longest prompt the pool can hold)")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take from arrival before it is cancelled (HTTP 504) (default 600; "
+                        "0 = no limit)")
+    s.add_argument("--cuda-graphs", action="store_true",
+                   help="one device on cuda: replay the forward from CUDA graphs, one per bucket "
+                        "(docs/cuda_graphs.md)")
+    s.add_argument("--kv-transfer", action="store_true",
+                   help="accept decode rooms (Mooncake, TCP): every rank runs a prefill peer; GET /v1/kv_transfer "
+                        "names their addresses, a request's kv_transfer.room sends its KV there")
+    s.add_argument("--warmup-tokens", type=int, default=64,
+                   help="tokens of the warm-up request run before /health turns 200 (default 64; 0 = none)")
+    s.add_argument("--timeout", type=float, default=600.0,
+                   help="with --cp: seconds the rendezvous and each collective may wait (default 600)")
+    s.add_argument("--quiet", action="store_true",
+                   help="no lifecycle lines (warm-up, ready, draining) on stderr; the listening address is always "
+                        "printed")
+    s.set_defaults(func=main)
+    return s
+
+
+def _positive(name: str, value, minimum: int = 1) -> None:
+    if value < minimum:
+        raise InputError(f"{name} must be >= {minimum}, got {value}")
+
+
+def spec_from_args(args):
+    """Check the flags (no model is loaded) and return the :class:`~cpgraph.serve.node.ServeSpec`."""
+    from cpgraph.runtime.inputs import check_mooncake, check_weights, model_config
+
+    missing = [m for m in ("aiohttp", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InputError(f"cpgraph serve needs {' and '.join(missing)}: pip install 'cpgraph[serve]'")
+    _positive("--cp", args.cp)
+    if not 0 <= args.port < 65536:
+        raise InputError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        ipaddress.ip_address(args.host)
+    except ValueError:
+        if args.host != "localhost":
+            raise InputError(f"--host must be an IP address (or localhost), got {args.host!r}") from None
+    _positive("--page", args.page)
+    if args.page & (args.page - 1):
+        raise InputError(f"--page must be a power of two, got {args.page}")
+    for flag, v in (("--num-pages", args.num_pages), ("--max-batch-requests", args.max_batch_requests),
+                    ("--max-queue", args.max_queue)):
+        _positive(flag, v)
+    _positive("--host-pages", args.host_pages, 0)
+    _positive("--warmup-tokens", args.warmup_tokens, 0)
+    if args.token_budget < args.page:
+        raise InputError(f"--token-budget must be at least a page ({args.page}), got {args.token_budget}")
+    if args.chunk_tokens is not None and (args.chunk_tokens < args.page or args.chunk_tokens % args.page
+                                          or args.chunk_tokens > args.token_budget):
+        raise InputError(f"--chunk-tokens must be a multiple of the page size {args.page} and at most "
+                         f"--token-budget {args.token_budget}, got {args.chunk_tokens}")
+    if args.max_prompt_tokens is not None:
+        _positive("--max-prompt-tokens", args.max_prompt_tokens)
+    if args.request_timeout < 0 or args.timeout <= 0:
+        raise InputError("--request-timeout must be >= 0 and --timeout > 0 seconds")
+    backend = args.backend or ("eager" if args.cp == 1 and "RANK" not in os.environ else "inductor")
+    if backend == "eager" and args.cp > 1:
+        raise InputError("--backend eager runs one device; a CP group needs aot_eager or inductor")
+    if args.cuda_graphs:
+        if args.cp != 1 or args.device == "cpu":
+            raise InputError("--cuda-graphs applies to one device on cuda (--cp 1 --device cuda)")
+        if args.host_pages:
+            raise InputError("--cuda-graphs does not take --host-pages (HiCache load-back waits on the host)")
+    cfg = model_config(args.model)  # config.json only: bad names fail before any weight is read
+    check_weights(args.model, args.weights, cfg)
+    if args.kv_transfer:
+        check_mooncake()
+    from cpgraph.serve.node import ServeSpec
+
+    return ServeSpec(model=str(args.model), served_name=args.served_model_name, host=args.host, port=args.port,
+                     cp=args.cp, device=args.device, backend=backend, kv_format=args.kv_format, dtype=args.dtype,
+                     weights=args.weights, page_size=args.page, num_pages=args.num_pages, host_pages=args.host_pages,
+                     token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
+                     max_batch_requests=args.max_batch_requests, max_queue=args.max_queue,
+                     max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout or None,
+                     cuda_graphs=args.cuda_graphs, kv_transfer=args.kv_transfer, warmup_tokens=args.warmup_tokens,
+                     timeout=args.timeout, log_level=logging.getLogger("cpgraph").level)
+
+
+def main(args: argparse.Namespace) -> int:
+    from cpgraph.runtime.launch import RENDEZVOUS_VARS
+
+    with user_input():
+        spec = spec_from_args(args)
+    if not args.quiet and not logging.getLogger("cpgraph.serve").isEnabledFor(logging.INFO):
+        logging.getLogger("cpgraph.serve").setLevel(logging.INFO)  # the lifecycle lines (ready, draining)
+    from cpgraph.serve import node
+
+    if any(v in os.environ for v in RENDEZVOUS_VARS):
+        return node.serve_rank(spec)
+    if spec.cp > 1:
+        return node.serve_local_cp(spec)
+    return node.serve_single(spec)

@@ -1,0 +1,611 @@
+"""A long-running prefill engine: requests come and go, each step prefills what the scheduler chose.
+
+:class:`PrefillEngine` is the in-process API a serving engine embeds (``cpgraph
+serve`` puts HTTP in front of it)::
+
+    engine = PrefillEngine(forward, model, num_pages=4096)
+    handle = engine.submit(EngineRequest(tokens, Sampling(temperature=0.7, seed=1), top_logprobs=5))
+    while not handle.done():
+        engine.step()
+    handle.result.token, handle.result.cached_tokens, handle.result.timings
+
+It holds one model forward, one persistent KV pool with its radix cache and
+optional HiCache (a :class:`~cpgraph.runtime.cache_engine.CacheEngine`), the
+:class:`~cpgraph.runtime.scheduler.Scheduler`, and optionally a KV sink that
+sends each chunk to a decode's room (``transfer``, below).
+
+**Request life.**  ``submit`` queues (thread-safe; a request that can never
+fit the pool is refused at once).  At admission the radix match runs first
+(L1 hits locked, L2 hits loaded back), the chunk sequence is fixed and the
+pages of every chunk are *reserved* per owner lane, so a running request can
+never be stuck for pages halfway: admission waits instead.  Each step
+allocates the pages of its chunks, runs one forward over all of them (each
+chunk an extend over its request's cached prefix and its own earlier
+chunks), sends each chunk's pages to its room, and for every request whose
+last chunk ran: chooses the first token, inserts the prompt's whole pages
+into the radix cache, frees the rest, unlocks.  ``cancel`` (or a passed
+timeout) frees the request's own pages, unlocks its prefix and aborts its
+room: the pool's lane ledger returns to what it was before the request was
+admitted.  (A load-back from L2 that its match triggered stays in L1 as
+cache: it is the cache's page, not the request's.)
+
+**CP.**  Every rank of a CP group holds an engine over its own pool.  Rank 0
+(the *leader*) runs the scheduler; every decision that changes the cache is
+an *op* (``admit``, ``unadmit``, ``cancel``, ``run``) applied on the leader
+as it is taken and sent, once per step, to the other ranks in one broadcast
+over ``control_group``; they apply the same ops in the same order
+(:meth:`follow`).  The radix tree, LRU clock, lane ledger and plans are
+functions of that op sequence alone, so every rank takes the same eviction
+and allocation decisions and runs the same plan -- the forward's
+collectives line up.  Only the leader samples and answers.
+
+Requests, results and handles are in :mod:`cpgraph.runtime.requests`.
+
+**Transfer** (``transfer``): an object with ``registered(room) -> bool``,
+``send_chunk(room, table, page_start, page_end, last, first_token,
+prompt_len) -> bool``, ``bytes_sent(room) -> int``, ``finish(room)`` and
+``abort(room)`` (``cpgraph.serve.transfer.RoomSender`` adapts a Mooncake
+:class:`~cpgraph.transfer.prefill.PrefillPeer`).  Chunk k of a request goes
+out right after the step that computed it: pages ``[start // page, ceil(end /
+page))``, the first chunk also covering the cached prefix pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from cpgraph.ops.checks import debug_enabled
+from cpgraph.ops.layer_events import layer_hooks
+from cpgraph.plan import plan_prefill
+
+from .cache_engine import CacheEngine, _Request
+from .engine import forward_batch
+from .radix import TokenKey, check_consistent
+from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
+                       RequestHandle, RequestResult, _Stats, engine_request)
+from .sampling import Sampling, choose_first_token
+from .scheduler import Scheduler, SchedulerConfig, chunk_ends, chunk_owners, first_chunk, lane_pages
+
+log = logging.getLogger(__name__)
+
+
+class _Live:
+    """The engine's record of one admitted-or-waiting request (the same on every rank once admitted)."""
+
+    def __init__(self, rid: int, tokens: list[int], room: int | None, handle: RequestHandle | None, now: float,
+                 deadline: float | None):
+        self.id, self.tokens, self.room, self.handle = rid, tokens, room, handle
+        self.tokens_np = np.asarray(tokens, dtype=np.int64)
+        self.key = TokenKey(tokens)
+        self.match: _Request | None = None
+        self.prefix_len = 0
+        self.done = 0
+        self.ends: list[int] = []
+        self.next_chunk = 0
+        self.defers = 0
+        self.own_pages: list[np.ndarray] = []
+        self.own_owners: list[np.ndarray] = []
+        self.reserve: np.ndarray | None = None
+        self.cancel_reason: str | None = None
+        self.t_submit, self.t_admit, self.deadline = now, None, deadline
+        self.transfer_s, self.transfer_ok, self.sent_once, self.chunks = 0.0, True, False, 0
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(this rank's page per logical page, owner per logical page): cached prefix, then own chunks."""
+        m = self.match
+        return (np.concatenate([m.prefix_pages, *self.own_pages]).astype(np.int64),
+                np.concatenate([m.prefix_owners, *self.own_owners]).astype(np.int64))
+
+
+class PrefillEngine:
+    """Continuous CP prefill over a persistent cache (module docstring).
+
+    ``forward(input_ids, meta, mla_pools, index_pools)`` as for
+    :class:`CacheEngine` (eager, compiled, or ``graphed_forward``);
+    ``num_pages`` / ``host_pages``: L1 / L2 pages per rank.  ``rank``,
+    ``cp_size``, ``group`` (the compute group of the CP forward) and
+    ``control_group`` (where the leader's ops are broadcast; gloo; default
+    ``group``) describe a CP group; ``src`` is the leader's global rank.
+    ``request_timeout``: default seconds a request may take from submit.
+    ``max_prompt_tokens``: longer prompts are refused (default: what the pool
+    can ever hold).  ``clock``: for tests.
+    """
+
+    def __init__(self, forward: Callable, model, *, num_pages: int, page_size: int = 16, kv_format: str = "bf16",
+                 rank: int = 0, cp_size: int = 1, host_pages: int = 0, host_layout: str = "layer_page_first",
+                 write_policy: str = "write_through", group=None, control_group=None, src: int = 0,
+                 scheduler: SchedulerConfig | None = None, request_timeout: float | None = None,
+                 max_prompt_tokens: int | None = None, transfer=None, clock: Callable[[], float] = time.monotonic):
+        self.cache = CacheEngine(forward, model, num_pages=num_pages, kv_format=kv_format, page_size=page_size,
+                                 rank=rank, cp_size=cp_size, host_pages=host_pages, host_layout=host_layout,
+                                 write_policy=write_policy, group=group)
+        self.model, self.page_size, self.rank, self.cp_size = model, page_size, rank, cp_size
+        self.vocab = model.config.vocab_size
+        self.group, self.control_group, self.src = group, control_group if control_group is not None else group, src
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), page_size)
+        self.request_timeout = request_timeout
+        self.transfer = transfer
+        self.clock = clock
+        self.num_pages = num_pages
+        self.max_prompt_tokens = max_prompt_tokens or self._pool_token_limit()
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._inbox: list[_Live] = []
+        self._cancels: list[tuple[int, str]] = []
+        self._live: dict[int, _Live] = {}
+        self._stopped = False
+        self.stats = _Stats()
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def submit(self, request: EngineRequest) -> RequestHandle:
+        """Queue ``request`` (any thread); a request that is invalid, never fits, or finds the queue full
+        is finished at once with status ``refused`` and an ``error`` saying why."""
+        rid = next(self._ids)
+        handle = RequestHandle(rid, request)
+        tokens = list(request.tokens)
+        refusal = self.check(request, tokens)
+        now = self.clock()
+        with self._lock:
+            if refusal is None and self._stopped:
+                refusal = ("stopped", "the engine is stopped")
+            if refusal is None and len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_waiting:
+                refusal = ("queue_full", f"queue full ({self.scheduler.config.max_waiting} requests waiting)")
+            if refusal is None:
+                timeout = request.timeout if request.timeout is not None else self.request_timeout
+                live = _Live(rid, tokens, request.transfer_room, handle, now,
+                             None if timeout is None else now + timeout)
+                self._inbox.append(live)
+                self._lock.notify_all()
+                return handle
+            self.stats.outcomes[REFUSED] += 1
+        handle._finish(RequestResult(REFUSED, len(tokens), error=refusal[1], refusal=refusal[0]))
+        return handle
+
+    def check(self, request: EngineRequest, tokens: list[int] | None = None) -> tuple[str, str] | None:
+        """``(refusal, message)`` when ``request`` can never be served here, else ``None`` (touches no state)."""
+        tokens = list(request.tokens) if tokens is None else tokens
+        if not tokens:
+            return "invalid", "the prompt is empty"
+        if len(tokens) > self.max_prompt_tokens:
+            return "too_long", (f"the prompt has {len(tokens)} tokens; this engine takes at most "
+                                f"{self.max_prompt_tokens}")
+        bad = _bad_token(tokens, self.vocab)
+        if bad is not None:
+            return "invalid", f"token {bad!r} is not an id in [0, {self.vocab}) (the model's vocabulary)"
+        if not isinstance(request.sampling, Sampling):
+            return "invalid", "sampling must be a Sampling"
+        k = request.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:
+            return "invalid", f"top_logprobs must be an integer in [0, 20], got {k!r}"
+        if request.transfer_room is not None:
+            if self.transfer is None:
+                return "room", "this engine has no KV transfer configured"
+            if not self.transfer.registered(request.transfer_room):
+                return "room", f"room {request.transfer_room} is not registered by a decode on this prefill"
+        need = lane_pages([0], [len(tokens)], self.cp_size, self.page_size)
+        if (need > self.num_pages).any():
+            return "too_long", (f"the prompt needs {int(need.max())} KV pages on one rank; the pool holds "
+                                f"{self.num_pages} per rank (it can never fit)")
+        return None
+
+    def cancel(self, handle: RequestHandle, reason: str = CANCELLED) -> None:
+        """Cancel a request (any thread); it finishes with status ``cancelled`` at the next step boundary."""
+        with self._lock:
+            self._cancels.append((handle.id, reason))
+            self._lock.notify_all()
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._cancels or len(self.scheduler))
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block until something is queued (or ``timeout`` seconds pass); True if there is work."""
+        with self._lock:
+            if not (self._inbox or self._cancels or len(self.scheduler)):
+                self._lock.wait(timeout)
+            return bool(self._inbox or self._cancels or len(self.scheduler))
+
+    def wake(self) -> None:
+        """Wake a thread blocked in :meth:`wait_for_work` (e.g. to let it see a stop flag)."""
+        with self._lock:
+            self._lock.notify_all()
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Step until nothing is queued or running (single device or the leader)."""
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+        raise RuntimeError(f"prefill engine: still busy after {max_steps} steps")
+
+    def snapshot(self) -> dict:
+        """Gauges and counters for metrics (leader's view; pages of this rank's lane)."""
+        with self._lock:
+            waiting = len(self.scheduler.waiting) + len(self._inbox)
+        running = list(self.scheduler.running)
+        ledger = self.cache.device.ledger
+        s = self.stats
+        return {
+            "waiting": waiting, "running": len(running),
+            "running_tokens": sum(len(r.tokens) - r.done for r in running),
+            "pages_used": int(ledger.used[self.rank]), "pages_free": int(ledger.free_pages()[self.rank]),
+            "pages_cached": int(self.cache.tree.device_pages_total),
+            "prompt_tokens": s.prompt_tokens, "cached_tokens": dict(s.cached_tokens),
+            "computed_tokens": s.computed_tokens, "steps": dict(s.steps), "outcomes": dict(s.outcomes),
+            "transfer_bytes": s.transfer_bytes, "transfer_failures": s.transfer_failures,
+            "step_tokens": s.last_step_tokens,
+        }
+
+    # --------------------------------------------------------------------- steps
+    def step(self) -> list[RequestHandle]:
+        """One scheduling step on the leader (any rank when ``cp_size == 1``); returns the handles it finished."""
+        if not self.is_leader:
+            raise RuntimeError("PrefillEngine.step runs on the leader (rank 0); other ranks call follow()")
+        finished: list[RequestHandle] = []
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        for live in new:
+            self._live[live.id] = live
+            self.scheduler.enqueue(live)
+        ops: list[tuple] = []
+        now = self.clock()
+        for rid, reason in cancels:
+            live = self._live.get(rid)
+            if live is not None and live.cancel_reason is None:
+                live.cancel_reason = reason
+        for live in list(self._live.values()):
+            if live.cancel_reason is None and live.deadline is not None and now >= live.deadline:
+                live.cancel_reason = TIMEOUT
+            if live.cancel_reason is not None:
+                if live.match is None:  # still waiting: no other rank has seen it
+                    self.scheduler.remove(live)
+                    del self._live[live.id]
+                    finished.append(self._close(live, live.cancel_reason))
+                else:
+                    self._log(ops, ("cancel", live.id))
+                    finished.append(self._close(live, live.cancel_reason))
+        batch = self.scheduler.next_step(lambda e, budget: self._leader_admit(e, budget, ops))
+        run = ("run", [(e.id, s, end) for e, s, end in batch])
+        if batch:
+            ops.append(run)
+        if self.cp_size > 1:
+            self._broadcast(ops)
+        if batch:
+            finished += self._run(run[1])
+        return finished
+
+    def follow(self) -> None:
+        """Ranks other than the leader: apply the leader's ops, step by step, until it sends ``stop``."""
+        if self.is_leader:
+            raise RuntimeError("PrefillEngine.follow runs on ranks other than the leader")
+        while True:
+            ops = self._broadcast(None)
+            for op in ops:
+                if op[0] == "stop":
+                    return
+                if op[0] == "run":
+                    self._run(op[1])
+                else:
+                    self._apply(op)
+
+    def stop_followers(self) -> None:
+        """Leader: tell the other ranks of the CP group to return from :meth:`follow`."""
+        with self._lock:
+            self._stopped = True
+        if self.cp_size > 1:
+            self._broadcast([("stop",)])
+
+    def fail_all(self, error: str) -> None:
+        """Leader, after a fatal error: answer every queued and admitted request as failed (touches no cache state)."""
+        with self._lock:
+            self._stopped = True
+            new, self._inbox = self._inbox, []
+        for live in new + list(self._live.values()):
+            self._close(live, FAILED, error=error)
+
+    def reset_cache(self) -> None:
+        """Leader, idle: empty the radix cache (L1 and L2) on every rank and zero the counters (after a warm-up)."""
+        if self.cp_size > 1:
+            self._broadcast([("evict",)])
+        self._apply(("evict",))
+        self.stats = _Stats()
+
+    def heartbeat(self) -> None:
+        """Leader, idle: an empty step keeps the followers' broadcast inside its timeout."""
+        if self.cp_size > 1:
+            self._broadcast([])
+
+    # ----------------------------------------------------------------- internals
+    def _pool_token_limit(self) -> int:
+        # The longest prompt whose pages fit on every lane: binary search over lengths (owners are per length).
+        lo, hi = 1, self.num_pages * self.cp_size * self.page_size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (lane_pages([0], [mid], self.cp_size, self.page_size) <= self.num_pages).all():
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _broadcast(self, ops: list | None) -> list:
+        import torch.distributed as dist
+
+        box = [ops]
+        dist.broadcast_object_list(box, src=self.src, group=self.control_group)
+        return box[0]
+
+    def _log(self, ops: list, op: tuple) -> None:
+        ops.append(op)
+        self._apply(op)
+
+    def _apply(self, op: tuple) -> None:
+        kind = op[0]
+        if kind == "admit":
+            _, rid, tokens, room, budget = op
+            live = self._live.get(rid)
+            if live is None:  # a follower sees the request for the first time
+                live = self._live[rid] = _Live(rid, list(tokens), room, None, self.clock(), None)
+            self._admit(live, budget)
+        elif kind == "unadmit":
+            live = self._live[op[1]]
+            self._release(live)
+            live.match, live.ends, live.prefix_len, live.done = None, [], 0, 0
+            if not self.is_leader:
+                del self._live[op[1]]  # the leader re-sends the tokens with its next try
+        elif kind == "cancel":
+            live = self._live.pop(op[1])
+            self._release(live)
+            if live.room is not None and self.transfer is not None:
+                self.transfer.abort(live.room)
+        elif kind == "evict":
+            if self._live:
+                raise RuntimeError("prefill engine: the cache is reset only while no request is admitted")
+            self.cache.evict_device()
+            if self.cache.hicache is not None:
+                self.cache.tree.evict_host(1 << 62, self.cache._release_host)
+        else:
+            raise ValueError(f"prefill engine: unknown op {kind!r}")
+
+    def _admit(self, live: _Live, budget: int) -> None:
+        """Match (lock L1 hits, load back L2 hits), fix the chunk sequence within ``budget``, reserve its pages.
+
+        Identical on every rank.  ``live.ends`` stays empty when not even the first chunk fits the budget.
+        """
+        m = _Request(live.tokens, live.key)
+        self.cache._match(m)  # the cache engine's own match: same limits, locks and load-back rules
+        live.match = m
+        live.prefix_len = m.prefix_pages.shape[0] * self.page_size
+        live.done = live.prefix_len
+        live.next_chunk = 0
+        first = first_chunk(len(live.tokens) - live.prefix_len, budget, self.page_size)
+        live.ends = chunk_ends(live.prefix_len, len(live.tokens), first, self.scheduler.config.chunk_tokens) \
+            if first else []
+        starts = [live.prefix_len] + live.ends[:-1]
+        live.reserve = lane_pages(starts[: len(live.ends)], live.ends, self.cp_size, self.page_size)
+
+    def _release(self, live: _Live) -> None:
+        """Give back everything the request holds: its own pages, its locks, its pending load-backs."""
+        m = live.match
+        if m is None:
+            return
+        for h in m.loads:
+            h.wait_all()  # nothing may be freed or evicted under an in-flight copy
+        m.loads = []
+        for pages, owners in zip(live.own_pages, live.own_owners):
+            self.cache.device.free(pages, owners)
+        live.own_pages, live.own_owners = [], []
+        for node in m.locks:
+            self.cache.tree.dec_lock(node)
+        m.locks = []
+        live.reserve = None
+
+    def _available(self) -> np.ndarray:
+        """Pages per lane that admissions may still promise: free + evictable - reserved by running requests."""
+        tree = self.cache.tree
+        if self.cp_size == 1:  # one lane: the tree keeps the count
+            evictable = np.asarray([tree.evictable_pages], dtype=np.int64)
+        else:
+            evictable = np.zeros(self.cp_size, dtype=np.int64)
+            for node in tree.nodes():
+                if node.device_pages is not None and node.lock_ref == 0:
+                    evictable += np.bincount(node.page_owners.astype(np.int64), minlength=self.cp_size)
+        reserved = np.zeros(self.cp_size, dtype=np.int64)
+        for r in self.scheduler.running:
+            if r.reserve is not None:
+                reserved += r.reserve
+        return self.cache.device.ledger.free_pages() + evictable - reserved
+
+    def _leader_admit(self, live: _Live, budget: int, ops: list) -> bool:
+        # With HiCache, a cache-blind bound first: a match would start load-backs that cannot be used yet.
+        if self.cache.hicache is not None:
+            worst = lane_pages([0], [len(live.tokens)], self.cp_size, self.page_size)
+            if (worst > self._available()).any():
+                return False
+        # The match has side effects (node splits, LRU ticks): it is an op, logged even when the
+        # request then has to wait (``unadmit``), so every rank's tree goes through the same sequence.
+        self._log(ops, ("admit", live.id, live.tokens, live.room, budget))
+        if not live.ends or (live.reserve > self._available()).any():
+            # Chunks split a prompt's pages over the lanes a little differently from one pass: a sequence
+            # that exceeds a lane's capacity outright can never run, even on an empty pool.
+            never = bool(live.ends) and bool((live.reserve > self.num_pages).any())
+            self._log(ops, ("unadmit", live.id))
+            if never:
+                self.scheduler.remove(live)
+                self._close(live, REFUSED, error=f"the prompt's chunks need more KV pages on one rank than the "
+                                                 f"pool's {self.num_pages}", refusal="too_long")
+            return False
+        live.t_admit = self.clock()
+        return True
+
+    @torch.no_grad()  # grad mode is per thread: the engine thread must not record (or compile) a backward
+    def _run(self, chunks: list[tuple[int, int, int]]) -> list[RequestHandle]:
+        """Allocate, forward and finish one step's chunks (every rank, same order)."""
+        ps = self.page_size
+        lives = [self._live[rid] for rid, _, _ in chunks]
+        plan = plan_prefill([s for _, s, _ in chunks], [e - s for _, s, e in chunks], cp_size=self.cp_size,
+                            page_size=ps)
+        try:
+            for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
+                owners = chunk_owners(s, e, self.cp_size, ps)  # what the reservation counted
+                if debug_enabled() and not np.array_equal(owners, plan.page_owners(j)):
+                    raise AssertionError("prefill engine: a chunk's page owners differ from its reservation")
+                pages = self.cache._alloc(owners)
+                live.own_pages.append(pages)
+                live.own_owners.append(owners)
+                live.reserve = live.reserve - np.bincount(owners, minlength=self.cp_size)
+            tables = [live.table() for live in lives]
+            loads = [h for live in lives for h in live.match.loads]
+
+            def wait_for_layer(layer: int, pool=None) -> None:
+                for h in loads:
+                    h.wait_layer(layer)
+
+            t0 = time.perf_counter()
+            replays0 = _graph_replays(self.cache.forward)
+            with layer_hooks(on_ready=wait_for_layer if loads else None):
+                out, _ = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
+                                                                  zip(lives, chunks)],
+                                       [t for t, _ in tables], [o[: s // ps] for (_, o), (_, s, _) in
+                                                                zip(tables, chunks)],
+                                       self.cache.pools, self.model.device, rank=self.rank)
+            logits = out.logits
+            forward_s = time.perf_counter() - t0
+        except Exception as exc:
+            if self.cp_size > 1:
+                raise  # ranks may have diverged: a CP group cannot continue
+            log.exception("prefill engine: a step of %d chunk(s) failed", len(chunks))
+            return [self._fail(live, exc) for live in lives]
+        for live in lives:
+            for h in live.match.loads:
+                h.wait_all()
+            live.match.loads = []
+        graph = _graph_replays(self.cache.forward) > replays0
+        self.stats.steps["graph" if graph else "eager"] += 1
+        self.stats.last_step_tokens = sum(e - s for _, s, e in chunks)
+        self.stats.step_seconds += forward_s
+        finished = []
+        for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
+            live.done, live.next_chunk, live.chunks = e, live.next_chunk + 1, live.chunks + 1
+            last = e == len(live.tokens)
+            choice = None
+            if last and self.is_leader and live.handle is not None:
+                req = live.handle.request
+                choice = choose_first_token(logits[j], req.sampling, req.top_logprobs)
+            if live.room is not None and self.transfer is not None:
+                self._send(live, tables[j][0], s, e, last, choice)
+            if last:
+                self._commit(live, tables[j])
+                if self.is_leader and live.handle is not None:
+                    finished.append(self._close(live, FINISHED, choice))
+                else:
+                    del self._live[live.id]
+        check_consistent(self.cache.tree, self.group, device=self.model.device)
+        return finished
+
+    def _send(self, live: _Live, table: np.ndarray, s: int, e: int, last: bool, choice) -> None:
+        ps = self.page_size
+        first_page = 0 if not live.sent_once else s // ps
+        live.sent_once = True
+        t0 = time.perf_counter()
+        ok = live.transfer_ok and self.transfer.send_chunk(
+            live.room, table, first_page, -(-e // ps), last, None if choice is None else choice.token, len(live.tokens))
+        live.transfer_s += time.perf_counter() - t0
+        if live.transfer_ok and not ok:
+            self.stats.transfer_failures += 1
+        live.transfer_ok = bool(ok)
+
+    def _commit(self, live: _Live, table: tuple[np.ndarray, np.ndarray]) -> None:
+        """Insert the prompt's whole pages into the radix cache; free the rest; unlock (as CacheEngine.prefill)."""
+        ps, cache = self.page_size, self.cache
+        pages, owners = table
+        full = len(live.tokens) // ps
+        after = live.tokens[full * ps] if len(live.tokens) > full * ps else -1
+        res = cache.tree.insert(live.key[: full * ps], pages[:full], owners[:full], matched_pages=live.prefix_len // ps,
+                                drop_host=cache._release_host, next_token=int(after))
+        drop = np.concatenate([np.flatnonzero(~res.adopted), np.arange(full, pages.shape[0])])
+        if drop.size:
+            cache.device.free(pages[drop], owners[drop])
+        live.own_pages, live.own_owners = [], []
+        new_nodes = res.new_nodes + res.revived_nodes
+        if cache.hicache is not None and cache.hicache.write_policy == "write_through":
+            cache.hicache.backup([n for n in new_nodes if n.device_pages is not None])
+        for node in live.match.locks:
+            cache.tree.dec_lock(node)
+        live.match.locks = []
+        live.reserve = None
+        if live.room is not None and self.transfer is not None:
+            self.transfer.finish(live.room)
+
+    def _fail(self, live: _Live, exc: Exception) -> RequestHandle | None:
+        self._release(live)
+        if live.room is not None and self.transfer is not None:
+            self.transfer.abort(live.room)
+        return self._close(live, FAILED, error=" ".join(f"{type(exc).__name__}: {exc}".split()))
+
+    def _close(self, live: _Live, status: str, choice=None, error: str | None = None,
+               refusal: str | None = None) -> RequestHandle | None:
+        """Leader: the request leaves the engine; build and deliver its result."""
+        self.scheduler.remove(live)
+        self._live.pop(live.id, None)
+        now = self.clock()
+        m = live.match
+        hits = {"device": m.device_hit, "host": m.host_hit} if m is not None and status == FINISHED else \
+            {"device": 0, "host": 0}
+        admitted = live.t_admit if live.t_admit is not None else now
+        res = RequestResult(status, len(live.tokens), cached_tokens=hits, chunks=live.chunks,
+                            computed_tokens=len(live.tokens) - sum(hits.values()) if status == FINISHED else 0,
+                            timings={"queue": admitted - live.t_submit, "prefill": now - admitted,
+                                     "transfer": live.transfer_s, "total": now - live.t_submit},
+                            error=error, refusal=refusal)
+        if status in (CANCELLED, TIMEOUT) and error is None:
+            res.error = "cancelled by the client" if status == CANCELLED else "the request timed out"
+        if choice is not None:
+            res.token, res.logprob, res.top_logprobs = choice.token, choice.logprob, choice.top
+        if live.room is not None:
+            sent = self.transfer.bytes_sent(live.room) if self.transfer is not None else 0
+            res.transfer = {"room": live.room, "ok": status == FINISHED and live.transfer_ok, "bytes_sent": sent}
+            self.stats.transfer_bytes += sent
+        s = self.stats
+        s.outcomes[status] += 1
+        if status == FINISHED:
+            s.prompt_tokens += len(live.tokens)
+            s.computed_tokens += res.computed_tokens
+            for tier, n in hits.items():
+                s.cached_tokens[tier] += n
+        if live.handle is not None:
+            live.handle._finish(res)
+        return live.handle
+
+
+
+def _bad_token(tokens: list, vocab: int):
+    """The first entry that is not a token id in ``[0, vocab)``, or ``None`` (vectorised: prompts are long)."""
+    if not set(map(type, tokens)) <= {int, np.int64}:
+        return next(t for t in tokens if type(t) not in (int, np.int64))
+    arr = np.asarray(tokens, dtype=object if max(map(abs, tokens)) >= 2**63 else np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+    return tokens[int(bad[0])] if bad.size else None
+
+
+def _graph_replays(forward) -> int:
+    """Replays of captured CUDA graphs so far, for a ``graphed_forward`` (0 for any other forward)."""
+    runners = getattr(forward, "runners", None)
+    if not runners:
+        return 0
+    return sum(r["replays"] for runner in runners.values() for r in runner.capture_report() if r["captured"])
+
+
+__all__ = ["EngineRequest", "PrefillEngine", "RequestHandle", "RequestResult", "Sampling", "SchedulerConfig",
+           "engine_request", "OUTCOMES", "REFUSALS"]

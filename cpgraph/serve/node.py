@@ -1,0 +1,295 @@
+"""Build the prefill node a command line asks for: one device, a local CP group, or a torchrun job.
+
+* **One device** (``cp == 1``, no torchrun): load the model, build the forward
+  (eager, or compiled by ``cpgraph.compile``; on CUDA optionally replayed from
+  CUDA graphs), the :class:`PrefillEngine` and the :class:`PrefillServer`.
+* **Under torchrun**: the world is ``dp`` CP groups of ``cp`` ranks
+  (:func:`cpgraph.runtime.launch.rank_layout`); every rank builds its engine
+  over the CP-compiled forward of its group; each group's rank 0 serves HTTP
+  on ``port + group`` and the other ranks follow its ops
+  (:meth:`PrefillEngine.follow`).  The leader's ops travel over a gloo group
+  of their own (cheap CPU objects; on CUDA the forward's collectives use
+  NCCL).
+* **``--cp N`` without torchrun**: spawns the N ranks on this machine (gloo on
+  CPU, one GPU per rank on CUDA) with the torchrun environment filled in, and
+  forwards SIGTERM/SIGINT to the leader, which drains and stops the others.
+
+Followers ignore SIGTERM and SIGINT: torchrun and a terminal signal every
+rank, but only the leader can drain; it tells them to stop when it is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+
+log = logging.getLogger("cpgraph.serve")
+
+
+@dataclass
+class ServeSpec:
+    model: str
+    served_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    cp: int = 1
+    device: str = "auto"
+    backend: str = "eager"  # eager (one device only), aot_eager, inductor
+    kv_format: str = "bf16"
+    dtype: str | None = None
+    weights: str | None = None
+    page_size: int = 16
+    num_pages: int = 4096
+    host_pages: int = 0
+    token_budget: int = 2048
+    chunk_tokens: int | None = None
+    max_batch_requests: int = 64
+    max_queue: int = 1024
+    max_prompt_tokens: int | None = None
+    request_timeout: float | None = 600.0
+    cuda_graphs: bool = False
+    kv_transfer: bool = False
+    warmup_tokens: int = 64
+    timeout: float = 600.0  # seconds a CP collective may wait
+    log_level: int | None = None
+
+
+def served_names(spec: ServeSpec) -> tuple[str, ...]:
+    """Names a request's ``model`` may give: ``--served-model-name`` (or the model's name), then ``--model``."""
+    base = spec.served_name or os.path.basename(os.path.normpath(str(spec.model))) or str(spec.model)
+    return tuple(dict.fromkeys([base, str(spec.model)]))
+
+
+def _dtype(name):
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[name]
+
+
+def make_forward(model, spec: ServeSpec, cp_config=None):
+    """The forward ``(ids, meta, mla, index, **kw)`` the engine calls: eager, or cpgraph-compiled."""
+    if spec.backend == "eager":
+        if cp_config is not None and cp_config.cp_size > 1:
+            raise ValueError("a CP group needs a compiled forward (--backend aot_eager or inductor)")
+
+        def forward(ids, meta, mla, index, **kw):
+            return model(ids, meta, mla, index, **kw)
+
+        return forward
+    from cpgraph.passes import CPConfig, compile
+
+    compiled = compile(model, cp_config or CPConfig(), backend=spec.backend, dynamic=True)
+
+    def forward(ids, meta, mla, index, **kw):
+        return compiled(ids, meta, mla, index, **kw)
+
+    return forward
+
+
+def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, control_group=None, src: int = 0,
+                 transfer=None):
+    from cpgraph.runtime.prefill_engine import PrefillEngine
+    from cpgraph.runtime.scheduler import SchedulerConfig
+
+    sched = SchedulerConfig(token_budget=spec.token_budget, chunk_tokens=spec.chunk_tokens,
+                            max_batch_requests=spec.max_batch_requests, max_waiting=spec.max_queue)
+    if spec.cuda_graphs:
+        from cpgraph.runtime.graph_runner import DEFAULT_MAX_ROWS, graphed_forward
+
+        if spec.token_budget > DEFAULT_MAX_ROWS:
+            raise ValueError(f"--token-budget {spec.token_budget} exceeds the largest row bucket {DEFAULT_MAX_ROWS}")
+        forward = graphed_forward(forward, max_requests=spec.max_batch_requests)
+    engine = PrefillEngine(forward, model, num_pages=spec.num_pages, page_size=spec.page_size,
+                           kv_format=spec.kv_format, rank=rank, cp_size=spec.cp, host_pages=spec.host_pages,
+                           group=group, control_group=control_group, src=src, scheduler=sched,
+                           request_timeout=spec.request_timeout, max_prompt_tokens=spec.max_prompt_tokens)
+    if spec.cuda_graphs and spec.backend != "eager":
+        for t in engine.cache.pools[0] + engine.cache.pools[1]:
+            torch._dynamo.mark_static_address(t)  # a captured graph binds the pools' addresses
+    if transfer is not None:
+        engine.transfer = transfer(engine)
+    return engine
+
+
+def warm_up(engine, tokens: int) -> None:
+    """Leader, engine thread: one request through the whole path (compiles), then an empty cache and fresh counters."""
+    if tokens <= 0:
+        return
+    from cpgraph.runtime.prefill_engine import engine_request
+
+    g = torch.Generator().manual_seed(0)
+    n = min(tokens, engine.max_prompt_tokens)
+    h = engine.submit(engine_request(torch.randint(0, engine.vocab, (n,), generator=g).tolist()))
+    engine.run_until_idle()
+    if h.result.status != "finished":
+        raise RuntimeError(f"warm-up request {h.result.status}: {h.result.error}")
+    engine.reset_cache()
+
+
+def _tokenizer(spec: ServeSpec, vocab: int):
+    """``(encode, decode)`` from the checkpoint's own tokenizer, or ``(None, None)`` when it has none."""
+    from cpgraph.models.config import bundled_names
+
+    if str(spec.model) in bundled_names():
+        return None, None
+    from cpgraph.models.tokenizer import TOKENIZER_FILES, encode_prompts, load_tokenizer
+
+    if not any(os.path.isfile(os.path.join(spec.model, f)) for f in TOKENIZER_FILES):
+        return None, None
+    tok = load_tokenizer(spec.model)
+    return (lambda text: encode_prompts(tok, [text], vocab_size=vocab)[0]), (lambda t: tok.decode([t]))
+
+
+def _make_peer(rank: int):
+    def attach(engine):
+        from cpgraph.transfer.prefill import PrefillPeer
+
+        from .transfer import RoomSender
+
+        return RoomSender(PrefillPeer(engine.cache.pool, rank))
+
+    return attach
+
+
+def _server(engine, spec: ServeSpec, port: int, transfer_info=None):
+    from .app import PrefillServer
+
+    encode, decode = _tokenizer(spec, engine.vocab)
+    return PrefillServer(engine, served=served_names(spec), host=spec.host, port=port, encode=encode, decode=decode,
+                         warmup=lambda: warm_up(engine, spec.warmup_tokens), transfer_info=transfer_info)
+
+
+def _announce(url: str) -> None:
+    print(f"cpgraph serve: listening on {url}", file=sys.stderr, flush=True)
+
+
+def serve_single(spec: ServeSpec) -> int:
+    """One device: load, build, serve until SIGTERM; returns the exit status."""
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import make_layout
+
+    device = "cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available()) else "cpu"
+    model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), device=device, weights=spec.weights).eval()
+    model.kv_layout = make_layout(model, spec.kv_format, spec.page_size)
+    engine = build_engine(model, make_forward(model, spec), spec, transfer=_make_peer(0) if spec.kv_transfer else None)
+    info = _transfer_info(engine, [engine.transfer.address] if spec.kv_transfer else None)
+    server = _server(engine, spec, spec.port, info)
+    try:
+        return server.serve_forever(on_listening=_announce)
+    finally:
+        if engine.transfer is not None:
+            engine.transfer.close()
+
+
+def _transfer_info(engine, peers) -> dict | None:
+    if peers is None:
+        return None
+    return {"peers": peers, "page_size": engine.page_size, "cp_size": engine.cp_size,
+            "protocol": "mooncake-tcp", "fingerprint": engine.transfer.peer.layout.fingerprint}
+
+
+# ----------------------------------------------------------------------------- CP groups
+
+
+def serve_rank(spec: ServeSpec, environ=None) -> int:
+    """This process's rank of a CP serving job (torchrun's environment); the leader serves until SIGTERM."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from cpgraph.runtime.launch import LaunchSpec, load_rank_model, rank_layout, read_env, resolve_device
+
+    env = read_env(environ)
+    lay = rank_layout(env.world_size, spec.cp)
+    device = resolve_device(spec.device, env.local_rank)
+    gid, grank = lay.group_of(env.rank), lay.group_rank(env.rank)
+    leader = grank == 0
+    if not leader:  # only the leader drains; it stops the followers when done
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cuda = device.type == "cuda"
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if cuda:
+        torch.cuda.set_device(device)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.master_addr, str(env.master_port)
+    timeout = timedelta(seconds=spec.timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size, timeout=timeout)
+    try:
+        groups = [dist.new_group(lay.group_ranks(g), timeout=timeout) for g in range(lay.dp)] \
+            if lay.dp > 1 else [dist.group.WORLD]
+        control = [dist.new_group(lay.group_ranks(g), backend="gloo", timeout=timeout) for g in range(lay.dp)] \
+            if cuda or lay.dp > 1 else [dist.group.WORLD]
+        group, ctl = groups[gid], control[gid]
+        from cpgraph.passes import CPConfig
+
+        launch = LaunchSpec(model=spec.model, cp=spec.cp, device=str(device.type), kv_format=spec.kv_format,
+                            dtype=spec.dtype, weights=spec.weights, page_size=spec.page_size)
+        model, layout = load_rank_model(launch, lay, grank)
+        model = model.to(device).eval()
+        model.kv_layout = layout
+        forward = make_forward(model, spec, CPConfig(group=group, cp_size=spec.cp))
+        if not cuda:  # the ranks share this machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.cp))
+        engine = build_engine(model, forward, spec, rank=grank, group=group, control_group=ctl, src=gid * spec.cp,
+                              transfer=_make_peer(grank) if spec.kv_transfer else None)
+        peers = None
+        if spec.kv_transfer:
+            peers = [None] * spec.cp
+            dist.all_gather_object(peers, engine.transfer.address, group=ctl)
+        if leader:
+            server = _server(engine, spec, spec.port + gid if spec.port else 0, _transfer_info(engine, peers))
+            return server.serve_forever(on_listening=lambda url: _announce(f"{url} (CP group {gid}, ranks "
+                                                                           f"{lay.group_ranks(gid)})"))
+        engine.follow()
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_rank(rank: int, spec: ServeSpec, port: int) -> None:
+    env = dict(RANK=str(rank), WORLD_SIZE=str(spec.cp), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    os.environ.update(env)
+    if spec.log_level is not None:
+        logger = logging.getLogger("cpgraph")
+        logger.setLevel(spec.log_level)
+        if not logger.handlers:
+            h = logging.StreamHandler()
+            h.setFormatter(logging.Formatter(f"%(name)s (rank {rank}): %(levelname)s: %(message)s"))
+            logger.addHandler(h)
+        if spec.log_level > logging.INFO:
+            logging.getLogger("cpgraph.serve").setLevel(logging.INFO)  # the lifecycle lines, as in one process
+    sys.exit(serve_rank(spec))
+
+
+def serve_local_cp(spec: ServeSpec) -> int:
+    """``--cp N`` on this machine without torchrun: spawn the N ranks; SIGTERM/SIGINT go to the leader."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_local_rank, args=(r, replace(spec, log_level=logging.getLogger("cpgraph").level),
+                                                   port)) for r in range(spec.cp)]
+    for p in procs:
+        p.start()
+
+    def forward_signal(sig, _frame):
+        if procs[0].pid is not None and procs[0].is_alive():
+            os.kill(procs[0].pid, sig)
+
+    old = {sig: signal.signal(sig, forward_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for p in procs:
+            p.join()
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    codes = [p.exitcode for p in procs]
+    return 0 if all(c == 0 for c in codes) else max(abs(c or 1) for c in codes)

@@ -1,0 +1,97 @@
+"""The PD path through ``cpgraph serve``: a decode registers a room, the request names it, the KV arrives.
+
+The decode side is :class:`cpgraph.transfer.decode.DecodeSide` in this process
+(Mooncake over TCP loopback): it asks the server where its prefill peer
+listens (``GET /v1/kv_transfer``), registers a room with it (the room
+protocol of docs/transfer.md), and the completion request names the room.
+Each chunk's pages go out after the step that computed them; the decode's
+pages must then hold exactly the prefill pool's bytes (a pure copy: bitwise),
+and the aux record the first token the response reports.  The second
+request hits the first one's cached pages: its first chunk also sends them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_utils import get, post  # noqa: E402
+
+pytest.importorskip("mooncake")
+
+from cpgraph.models import from_pretrained  # noqa: E402
+from cpgraph.models.prefill import make_layout  # noqa: E402
+from cpgraph.runtime.engine import pool_config  # noqa: E402
+from cpgraph.runtime.hicache import payloads_of  # noqa: E402
+from cpgraph.runtime.kv_pool import KVPool  # noqa: E402
+from cpgraph.runtime.prefill_engine import PrefillEngine  # noqa: E402
+from cpgraph.runtime.radix import TokenKey  # noqa: E402
+from cpgraph.runtime.scheduler import SchedulerConfig  # noqa: E402
+from cpgraph.serve.app import PrefillServer  # noqa: E402
+from cpgraph.serve.node import _transfer_info  # noqa: E402
+from cpgraph.serve.transfer import RoomSender  # noqa: E402
+from cpgraph.transfer.decode import DecodeSide  # noqa: E402
+from cpgraph.transfer.prefill import PrefillPeer  # noqa: E402
+from cpgraph.transfer.sender import AUX_BYTES  # noqa: E402
+from cpgraph.transfer.status import RoomStatus  # noqa: E402
+
+PAGE = 16
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_decode_room_receives_the_prefill_pool_bytes(one_thread):
+    model = from_pretrained("tiny-glm5").eval()
+    model.kv_layout = make_layout(model, "bf16", PAGE)
+
+    def forward(ids, meta, mla, index, **kw):
+        return model(ids, meta, mla, index, **kw)
+
+    engine = PrefillEngine(forward, model, num_pages=64, page_size=PAGE, scheduler=SchedulerConfig(token_budget=32))
+    engine.transfer = RoomSender(PrefillPeer(engine.cache.pool, 0))
+    server = PrefillServer(engine, served=("tiny-glm5",),
+                           transfer_info=_transfer_info(engine, [engine.transfer.address])).start_background()
+    decode = DecodeSide(KVPool(pool_config(model, "bf16", PAGE, 64, 0)), max_rooms=8)
+    try:
+        server.wait_ready()
+        status, info = get(server.url, "/v1/kv_transfer")
+        assert status == 200 and info["page_size"] == PAGE and len(info["peers"]) == 1
+        g = torch.Generator().manual_seed(41)
+        first = torch.randint(0, 512, (64,), generator=g).tolist()
+        second = first[:48] + torch.randint(0, 512, (32,), generator=g).tolist()
+        for room, tokens, chunks, cached in ((1, first, 2, 0), (2, second, 1, 48)):
+            table = decode.open_room(room, len(tokens), info["peers"])
+            status, body = post(server.url, {"prompt": tokens, "kv_transfer": {"room": room}})
+            assert status == 200, body
+            choice = body["choices"][0]
+            assert choice["prefill"]["chunks"] == chunks and choice["prefill"]["cached_tokens"]["device"] == cached
+            sent = choice["kv_transfer"]
+            assert sent["ok"] and sent["room"] == room and sent["bytes_sent"] > 0 and sent["peers"] == info["peers"]
+            assert decode.wait(room, 30) == RoomStatus.SUCCESS
+            assert decode.first_token(room) == choice["token_ids"][0]
+            # Every page of the prompt (whole pages: all of it sits in the radix cache now) arrived bit for bit.
+            src = engine.cache.tree.match_prefix(TokenKey(tokens)).device_pages
+            assert src.shape[0] == len(tokens) // PAGE
+            pages = len(tokens) // PAGE
+            for (name, a), (_, b) in zip(payloads_of(engine.cache.pool), payloads_of(decode.pool)):
+                assert torch.equal(a[torch.as_tensor(src)], b[torch.as_tensor(table[:pages])]), (room, name)
+            # The pages and the first-token record.
+            assert sent["bytes_sent"] == pages * engine.cache.pool.bytes_per_page() + AUX_BYTES
+            decode.release(room)
+        # A room nobody registered is refused up front, naming the field.
+        status, err = post(server.url, {"prompt": first, "kv_transfer": {"room": 7}})
+        assert status == 400 and err["error"]["param"] == "kv_transfer.room"
+    finally:
+        server.stop()
+        engine.transfer.close()
+        decode.close()
