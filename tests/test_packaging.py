@@ -26,6 +26,8 @@ OPTIONAL = {
     "flash_mla": "sparse_mla provider, installed by hand with --no-deps (docs/kernels.md); else Triton",
     "deep_gemm": "indexer provider from carried wheels (docs/ops/indexer.md); else Triton",
     "mooncake": "the transfer engine, extra 'transfer'; else an error naming the extra",
+    "aiohttp": "cpgraph serve's HTTP stack, extra 'serve'; cli_serve checks it first and names the extra",
+    "prometheus_client": "cpgraph serve's /metrics, extra 'serve'; checked with aiohttp",
     # Not handled yet: --prompt without transformers installed ends in a ModuleNotFoundError.
     "transformers": "a checkpoint's tokenizer (--prompt) and the PD reference model (heavy, so not declared)",
 }
