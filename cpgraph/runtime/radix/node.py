@@ -85,7 +85,7 @@ class CPNodeMeta:
 
 class RadixNode:
     __slots__ = ("key", "children", "parent", "meta", "device_pages", "host_pages", "host_payloads", "lock_ref",
-                 "last_access", "node_id", "next_token")
+                 "last_access", "node_id", "next_token", "in_l3")
 
     def __init__(self, key: bytes, meta: CPNodeMeta | None, parent, node_id: int):
         self.key = key
@@ -100,6 +100,8 @@ class RadixNode:
         self.node_id = node_id
         # Token after the node's last row when its pages were computed (-1: unknown, never matches).
         self.next_token = -1
+        # This rank's pages of the node are in the L3 store (set by cpgraph.runtime.l3; never decides a collective).
+        self.in_l3 = False
 
     @property
     def num_pages(self) -> int:

@@ -60,6 +60,7 @@ class RadixCache(LRUEviction):
         head = self._new_node(node.key[:cut], head_meta, node.parent)
         head.lock_ref, head.last_access = node.lock_ref, node.last_access
         head.host_payloads = node.host_payloads
+        head.in_l3 = node.in_l3
         # The head's last row was computed with the tail's first token after it (one request, one key).
         head.next_token = int(np.frombuffer(node.key, dtype=_TOKEN, count=1, offset=cut)[0])
         if node.device_pages is not None:
@@ -222,6 +223,7 @@ class RadixCache(LRUEviction):
                     drop_host(node)
                     node.host_pages, node.host_payloads = None, frozenset()
                     node.meta = CPNodeMeta.build(owners[pos : pos + k], ps, self.rank)
+                    node.in_l3 = False  # the L3 copy is keyed by the old owners (or continuation)
                 node.next_token = cont
                 node.device_pages = pages[pos : pos + k].copy()
                 adopted[pos : pos + k] = True
@@ -245,6 +247,62 @@ class RadixCache(LRUEviction):
             parent = leaf
         result.last_node = parent
         return result
+
+    def attach_host(self, key: TokenKey, start_pages: int, host_pages, page_owners, payloads: frozenset,
+                    next_token: int = -1) -> RadixNode:
+        """Attach an L2-only leaf for pages ``[start_pages, len(key) // page_size)`` of ``key`` (pages from L3).
+
+        The tree must hold exactly the first ``start_pages`` pages of ``key``
+        on a path (any residency) and nothing after them: the new node
+        continues that path.  ``host_pages``: this rank's L2 page per logical
+        page (``-1`` where another rank owns it), ``page_owners`` the owner
+        sequence the pages were stored with; a later match finds the node
+        like any other L2-only node and loads it back with those owners.
+        """
+        ps = self.page_size
+        if len(key) % ps:
+            raise ValueError(f"RadixCache.attach_host: key of {len(key)} tokens is not a page multiple ({ps})")
+        n = len(key) // ps - start_pages
+        pages = int_array(host_pages, "RadixCache.attach_host: host_pages")
+        owner_ids = int_array(page_owners, "RadixCache.attach_host: page_owners")
+        if n < 1 or pages.shape != (n,) or owner_ids.shape != (n,):
+            raise ValueError(f"RadixCache.attach_host: need >= 1 page after page {start_pages} and one host page and "
+                             f"owner per page, got {n} page(s), {pages.shape} and {owner_ids.shape}")
+        if owner_ids.min() < 0 or owner_ids.max() >= self.cp_size:
+            raise ValueError(f"RadixCache.attach_host: page owners must be ranks in [0, {self.cp_size})")
+        check_pages_match_owners(pages, owner_ids, self.rank, "RadixCache.attach_host")
+        path, done = self._walk(key, start_pages)
+        parent = path[-1] if path else self.root
+        first = key.raw()[start_pages * ps * _TB : (start_pages + 1) * ps * _TB]
+        if done != start_pages or first in parent.children:
+            raise ValueError(f"RadixCache.attach_host: the tree holds {done} page(s) of the key where "
+                             f"{start_pages} and nothing after them are required")
+        leaf = self._new_node(key.raw()[start_pages * ps * _TB :],
+                              CPNodeMeta.build(owner_ids.astype(np.int8), ps, self.rank), parent)
+        leaf.host_pages = pages.copy()
+        leaf.host_payloads = frozenset(payloads)
+        leaf.last_access = self._clock
+        leaf.next_token = int(next_token)
+        leaf.in_l3 = True
+        parent.children[first] = leaf
+        return leaf
+
+    def extends_past(self, key: TokenKey, num_pages: int) -> bool:
+        """Whether the tree holds the first ``num_pages + 1`` pages of ``key`` (a read-only walk: no split, no tick)."""
+        ps, pb = self.page_size, self._page_bytes
+        if len(key) < (num_pages + 1) * ps:
+            return False
+        target = key[: (num_pages + 1) * ps].raw()
+        node, off = self.root, 0
+        while off < len(target):
+            child = node.children.get(target[off : off + pb])
+            if child is None:
+                return False
+            seg = target[off : off + len(child.key)]
+            if child.key[: len(seg)] != seg:
+                return False
+            node, off = child, off + len(seg)
+        return True
 
     def inc_lock(self, node: RadixNode) -> None:
         while node is not None and node is not self.root:
