@@ -33,7 +33,8 @@ Why each rule:
   who means harm: the directory must be trusted like the model weights are
   (docs/security.md).
 * **Size bound, LRU.**  With ``max_bytes`` the store keeps the directory's
-  objects under that many bytes: a read hit refreshes the file's mtime, and
+  objects under that many bytes: a read hit refreshes the file's mtime
+  (when it is more than 10 s old: a hot page is not rewritten per read), and
   when a put takes the total over the bound the least recently used files
   (oldest mtime) are deleted down to 90% of it.  The total is re-measured
   by a directory scan at each eviction, so several processes sharing the
@@ -52,7 +53,9 @@ checksum runs over the same memory.  Batches run on a small thread pool
 from __future__ import annotations
 
 import errno
+import itertools
 import os
+import threading
 import struct
 import time
 import uuid
@@ -68,7 +71,13 @@ VERSION = 1
 HEADER = struct.Struct("<8sIIQ32s")  # magic, version, crc, length, key
 HEADER_BYTES = 64
 SUBDIR = "cpgraph-l3-v1"
+# Batches of smaller objects run on the calling thread: per-object Python work would contend for the GIL.
+PARALLEL_MIN_BYTES = 256 << 10
+# A read hit refreshes the file's mtime (the LRU clock) only when it is older than this: a hot page's
+# every read would otherwise be a metadata write.
+TOUCH_NS = 10 * 10**9
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_TMP_IDS = itertools.count()  # with the pid and thread id: a temporary name no other writer uses
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
@@ -126,6 +135,7 @@ class FileStore(PageStore):
         self.root = Path(root)
         self.name = f"file:{self.root}"
         self.dir = self.root / SUBDIR
+        self._dir = str(self.dir)
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes)
         self.retry_s = float(retry_s)
         self._threads = max(1, min(8, os.cpu_count() or 1)) if threads is None else max(1, int(threads))
@@ -136,6 +146,8 @@ class FileStore(PageStore):
         self._used = 0
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            for i in range(256):  # the fan-out directories, once (a put then only creates and renames)
+                os.makedirs(os.path.join(self._dir, f"{i:02x}"), exist_ok=True)
         except OSError as exc:
             self._available = False
             self.warn_once("unavailable", f"cannot use directory {self.dir} ({exc.strerror or exc}); "
@@ -166,7 +178,10 @@ class FileStore(PageStore):
         return self._available and not self._read_only and time.monotonic() >= self._writes_off_until
 
     def path(self, key: str) -> Path:
-        return self.dir / key[:2] / key
+        return Path(self._path(key))
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._dir, key[:2], key)
 
     @staticmethod
     def _key_bytes(key: str) -> bytes:
@@ -178,9 +193,9 @@ class FileStore(PageStore):
             raise ValueError(f"FileStore: keys are 64 hex digits (cpgraph.runtime.storage.keys.page_key), got {key!r}")
         return raw
 
-    def _map(self, fn, items):
+    def _map(self, fn, items, sizes):
         items = list(items)
-        if len(items) <= 1 or self._threads == 1:
+        if len(items) <= 1 or self._threads == 1 or sum(sizes) < PARALLEL_MIN_BYTES * len(items):
             return [fn(*it) for it in items]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="cpgraph-l3-file")
@@ -191,7 +206,7 @@ class FileStore(PageStore):
         self.stats["exists_queries"] += len(keys)
         if not self._available:
             return [False] * len(keys)
-        return [self.path(k).is_file() for k in keys]
+        return [os.path.isfile(self._path(k)) for k in keys]
 
     # ---------------------------------------------------------------- get
     def get(self, keys: Sequence[str], parts: Sequence[Parts]) -> list[bool]:
@@ -201,7 +216,7 @@ class FileStore(PageStore):
         if not self._available:
             self.stats["get_misses"] += len(keys)
             return [False] * len(keys)
-        outcomes = self._map(self._get_one, zip(keys, parts, sizes))
+        outcomes = self._map(self._get_one, zip(keys, parts, sizes), sizes)
         for outcome, size in zip(outcomes, sizes):
             if outcome == "hit":
                 self.stats["get_pages"] += 1
@@ -212,7 +227,7 @@ class FileStore(PageStore):
 
     def _get_one(self, key: str, parts: Parts, size: int) -> str:
         """``"hit"``, ``"miss"`` (no such object) or ``"fail"`` (unreadable or failed verification)."""
-        path = self.path(key)
+        path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -220,8 +235,9 @@ class FileStore(PageStore):
         except OSError as exc:
             self.warn_once(f"read_{exc.errno}", f"cannot open {path}: {exc.strerror or exc}; treated as a miss")
             return "fail"
+        mtime = 0
         try:
-            problem = self._read_verified(fd, key, parts, size)
+            problem, mtime = self._read_verified(fd, key, parts, size)
         except OSError as exc:
             problem = f"read error {exc.strerror or exc}"
         finally:
@@ -234,32 +250,33 @@ class FileStore(PageStore):
             except OSError:
                 pass
             return "fail"
-        try:
-            os.utime(path)  # LRU: a hit is a use
-        except OSError:
-            pass
+        if time.time_ns() - mtime > TOUCH_NS:
+            try:
+                os.utime(path)  # LRU: a hit is a use
+            except OSError:
+                pass
         return "hit"
 
-    def _read_verified(self, fd: int, key: str, parts: Parts, size: int) -> str | None:
-        """``None`` when the object was read into ``parts`` and verified, else what was wrong."""
+    def _read_verified(self, fd: int, key: str, parts: Parts, size: int) -> tuple[str | None, int]:
+        """``(None, mtime_ns)`` when the object was read into ``parts`` and verified, else ``(what was wrong, 0)``."""
         head = decode_header(os.pread(fd, HEADER_BYTES, 0))
         if head is None:
-            return "bad header"
+            return "bad header", 0
         crc, length, key_bytes = head
         if key_bytes != self._key_bytes(key):
-            return "header names another key"
+            return "header names another key", 0
         if length != size:
-            return f"{length} bytes stored, {size} expected"
-        actual = os.fstat(fd).st_size
-        if actual != HEADER_BYTES + length:
-            return f"file is {actual} bytes, header + object are {HEADER_BYTES + length}"
+            return f"{length} bytes stored, {size} expected", 0
+        st = os.fstat(fd)
+        if st.st_size != HEADER_BYTES + length:
+            return f"file is {st.st_size} bytes, header + object are {HEADER_BYTES + length}", 0
         views = _views(parts)
         got = os.preadv(fd, views, HEADER_BYTES) if views else 0
         if got != length:
-            return f"short read ({got} of {length} bytes)"
+            return f"short read ({got} of {length} bytes)", 0
         if _crc(views) != crc:
-            return "checksum mismatch"
-        return None
+            return "checksum mismatch", 0
+        return None, st.st_mtime_ns
 
     # ---------------------------------------------------------------- put
     def put(self, keys: Sequence[str], parts: Sequence[Parts]) -> list[bool]:
@@ -269,7 +286,7 @@ class FileStore(PageStore):
         if not self.writable:
             self.stats["put_skipped"] += len(keys)
             return [False] * len(keys)
-        outcomes = self._map(self._put_one, zip(keys, parts, sizes))
+        outcomes = self._map(self._put_one, zip(keys, parts, sizes), sizes)
         for outcome, size in zip(outcomes, sizes):
             if outcome == "stored":
                 self.stats["put_pages"] += 1
@@ -289,8 +306,8 @@ class FileStore(PageStore):
             self.warn_once("too_large", f"a {size}-byte page object exceeds the size bound of {self.max_bytes} "
                                         "bytes; not stored")
             return "skipped"
-        path = self.path(key)
-        if path.is_file():  # another instance (or an earlier run) stored this page already
+        path = self._path(key)
+        if os.path.isfile(path):  # another instance (or an earlier run) stored this page already
             try:
                 os.utime(path)
             except OSError:
@@ -299,10 +316,13 @@ class FileStore(PageStore):
         key_bytes = self._key_bytes(key)
         views = _views(parts)
         head = encode_header(key_bytes, size, _crc(views))
-        tmp = path.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = os.path.join(os.path.dirname(path), f".tmp-{key}-{os.getpid()}-{threading.get_ident()}-{next(_TMP_IDS)}")
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the fan-out directory was removed behind our back
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 n = os.pwritev(fd, [head, *views], 0)
                 if n != HEADER_BYTES + size:
