@@ -130,15 +130,33 @@ class L3Tier:
         n = len(digests)
         if n == 0:
             return np.zeros(0, np.int64)
-        self.stats["lookup_pages"] += n
-        mine = np.asarray(self.store.exists([self.key(d, self.rank) for d in digests]), dtype=bool)
         if self.cp_size == 1:
-            held = mine[None, :]
-        else:
-            held = self._gather(mine)
+            held = self._leading_held(digests)[None, :]
+        else:  # a rank holds only the pages it owned: its own misses say nothing, so ask about every page
+            self.stats["lookup_pages"] += n
+            held = self._gather(np.asarray(self.store.exists([self.key(d, self.rank) for d in digests]), dtype=bool))
         anyone = held.any(axis=0)
         run = int(np.argmin(anyone)) if not anyone.all() else n
         return np.argmax(held[:, :run], axis=0).astype(np.int64)  # the lowest rank holding each page
+
+    def _leading_held(self, digests: Sequence[bytes]) -> np.ndarray:
+        """One device: ``exists`` in growing chunks (1, 4, 16, ... pages), stopping at the first miss.
+
+        A cold prompt then costs one lookup, not one per page (a file store
+        answers each with a ``stat``).
+        """
+        n = len(digests)
+        held = np.zeros(n, dtype=bool)
+        start, chunk = 0, 1
+        while start < n:
+            stop = min(n, start + chunk)
+            got = np.asarray(self.store.exists([self.key(d, 0) for d in digests[start:stop]]), dtype=bool)
+            self.stats["lookup_pages"] += stop - start
+            held[start:stop] = got
+            if not got.all():
+                break
+            start, chunk = stop, chunk * 4
+        return held
 
     def fetch(self, digests: Sequence[bytes], owners: np.ndarray) -> np.ndarray | None:
         """Read the pages (this rank's only) into new L2 pages; returns the host pages of the run that arrived.

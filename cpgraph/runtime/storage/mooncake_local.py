@@ -87,8 +87,7 @@ class LocalMooncake:
 
     ``segment``: bytes of the holder's segment (what the store can hold);
     ``holder=False`` starts no holder (writers must then contribute their own
-    segment and pages go when they exit).  :meth:`stop_master` kills the
-    master alone (to test an L3 that goes away).
+    segment and pages go when they exit).
     """
 
     def __init__(self, *, segment: str = "256MB", holder: bool = True, timeout: float = 30.0):
@@ -128,9 +127,6 @@ class LocalMooncake:
             self.stop()
             raise
         return self
-
-    def stop_master(self) -> None:
-        self._stop("master")
 
     def _stop(self, name: str) -> None:
         proc = self.procs.pop(name, None)
