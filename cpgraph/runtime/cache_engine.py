@@ -297,7 +297,7 @@ class CacheEngine:
             out, meta = ran[0], ran[1]
             draft_out = ran[2] if self.draft is not None else None
             allocated = []  # from here on the pages belong to the insert/free step
-            new_nodes = []
+            last_nodes = []
             # The token after each request's last whole page as its pages were computed: the prompt's, or
             # (with a draft, prompt ending on a page boundary) the sampled token the draft was given.
             sampled = None
@@ -313,13 +313,8 @@ class CacheEngine:
                 drop = np.concatenate([drop, np.arange(full, table.shape[0])])  # + the partial last page
                 if drop.size:
                     self.device.free(table[drop], own[drop])
-                new_nodes += _path_to(res.last_node, self.tree.root)
-            if self.hicache is not None and self.hicache.write_policy == "write_through":
-                # Every node on the inserted paths: a new node split by a later request of this batch left
-                # its head (a node object of its own) outside the insert results.
-                todo = list({id(n): n for n in new_nodes}.values())
-                handle = self.hicache.backup([n for n in todo if n.device_pages is not None])
-                self._store_through(handle, todo)
+                last_nodes.append(res.last_node)
+            self.backup_inserted(last_nodes)
         finally:
             for pages, own in allocated:  # failed before the forward finished: give the pages back
                 self.device.free(pages, own)
@@ -339,6 +334,20 @@ class CacheEngine:
         if self.l3 is None:
             return {"device": r.device_hit, "host": r.host_hit, "computed": computed}
         return {"device": r.device_hit, "host": r.host_hit, "l3": r.l3_hit, "computed": computed}
+
+    def backup_inserted(self, last_nodes) -> None:
+        """After inserts: under ``write_through`` back up every node on the inserted paths, then store them in L3.
+
+        ``last_nodes``: each insert's ``InsertResult.last_node``.  Whole
+        paths, because a new node split by a later request of the same batch
+        left its head (a node object of its own) outside the insert results.
+        A no-op under ``write_back`` (nodes are backed up when L1 evicts them).
+        """
+        if self.hicache is None or self.hicache.write_policy != "write_through":
+            return
+        todo = list({id(n): n for last in last_nodes for n in _path_to(last, self.tree.root)}.values())
+        handle = self.hicache.backup([n for n in todo if n.device_pages is not None])
+        self._store_through(handle, todo)
 
     # --------------------------------------------------------------------- L3
     def prefetch(self, token_lists: Sequence[Sequence[int]]) -> list[int]:
