@@ -76,7 +76,7 @@ def test_spec_parsing():
     assert opts["metadata"] == "http://10.0.0.1:8080/metadata"
     for bad, msg in [("s3:bucket", "expected file:DIR"), ("file:", "needs a location"),
                      ("file:/x,max_bytes=lots", "expected a size"), ("file:/x,colour=red", "unknown option 'colour'"),
-                     ("file:/x,max_bytes", "not NAME=VALUE")]:
+                     ("file:/x,max_bytes", "not NAME=VALUE"), ("file:/x,policy=lazy", "policy must be one of")]:
         with pytest.raises(SpecError, match=msg):
             parse_spec(bad)
 

@@ -15,6 +15,7 @@ into L2 and write back -- is :mod:`cpgraph.runtime.l3`.
 
 from __future__ import annotations
 
+from ..hicache import WRITE_POLICIES
 from .base import PageStore, Parts, check_parts
 from .file_store import FileStore, parse_size
 from .keys import KEY_FORMAT_VERSION, page_chain, page_key, store_fingerprint, weights_identity
@@ -33,6 +34,7 @@ _OPTIONS = {
 }
 # Options of the tier, not of the backend (see cpgraph.runtime.l3.L3Config.from_spec).
 TIER_OPTIONS = ("policy",)
+POLICIES = WRITE_POLICIES  # L3 takes the L2 policies' names
 
 
 class SpecError(ValueError):
@@ -59,6 +61,8 @@ def parse_spec(spec: str) -> tuple[str, str, dict]:
         if not eq or not name:
             raise SpecError(f"L3 spec {spec!r}: option {opt!r} is not NAME=VALUE")
         if name in TIER_OPTIONS:
+            if value not in POLICIES:
+                raise SpecError(f"L3 spec {spec!r}: policy must be one of {', '.join(POLICIES)}, got {value!r}")
             options[name] = value
             continue
         conv = _OPTIONS[backend].get(name)
