@@ -14,7 +14,7 @@ ATOL = 1e-5
 
 
 def build_tiny():
-    """``(model, forward, prompts)``: tiny-glm5 eager; three prompts sharing 40 tokens (two whole pages)."""
+    """``(model, forward, prompts)``: tiny-glm5 eager with :func:`prompts`."""
     from cpgraph.models import from_pretrained
     from cpgraph.models.prefill import make_layout
 
@@ -24,10 +24,14 @@ def build_tiny():
     def forward(ids, meta, mla, index, **kw):
         return model(ids, meta, mla, index, layout, **kw)
 
+    return model, forward, prompts()
+
+
+def prompts() -> list[list[int]]:
+    """Three prompts sharing 40 tokens (two whole pages), then 30, 9 and 56 of their own."""
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 512, (40,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 9, 56)]
-    return model, forward, prompts
+    return [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 9, 56)]
 
 
 def engine(tiny, l3, **kw) -> CacheEngine:

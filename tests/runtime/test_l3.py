@@ -28,6 +28,7 @@ from cpgraph.runtime.storage import file_store as fs
 
 sys.path.insert(0, os.path.dirname(__file__))
 from l3_rig import ATOL, PS, build_tiny, prefix_bytes, same_bytes  # noqa: E402
+from l3_rig import prompts as tiny_prompts  # noqa: E402
 from l3_rig import engine as _engine  # noqa: E402
 
 
@@ -251,3 +252,28 @@ def test_cli_second_process_serves_the_first_ones_prefix(tmp_path, capsys):
     assert "--l3 applies to --cache runs" in capsys.readouterr().err
     assert main(["run", "--model", "tiny-glm5", "--cache", "--l3", "s3:bucket", "--quiet"]) == 2
     assert "expected file:DIR or mooncake:HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned L2, side-stream load-back)")
+@pytest.mark.parametrize("layout", ["layer_page_first", "page_first"])
+def test_gpu_restore_through_pinned_l2(tmp_path, layout):
+    """On CUDA: pages come from L3 into pinned L2 rows, then back to the device per layer on the side stream."""
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import make_layout
+
+    model = from_pretrained("tiny-glm5", device="cuda").eval()
+    layout_kv = make_layout(model, "bf16", PS)
+    tiny = (model, lambda i, m, a, b, **kw: model(i, m, a, b, layout_kv, **kw), tiny_prompts())
+    prompts = tiny[2]
+    first = _engine(tiny, f"file:{tmp_path}", host_layout=layout)
+    cold = first.prefill(prompts)
+    limits = [(len(p) - 1) // PS for p in prompts]
+    want = [prefix_bytes(first, p, n) for p, n in zip(prompts, limits)]
+    assert first.hicache.host.tensors()[0].is_pinned()
+    second = _engine(tiny, f"file:{tmp_path}", host_layout=layout)
+    warm = second.prefill(prompts)
+    assert [h["l3"] for h in warm.hits] == [64, 16, 48]
+    torch.testing.assert_close(warm.logits, cold.logits, rtol=0, atol=1e-4)
+    for p, n, w in zip(prompts, limits, want):
+        assert same_bytes(prefix_bytes(second, p, n), w)
