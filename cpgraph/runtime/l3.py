@@ -179,6 +179,7 @@ class L3Tier:
         ok = np.ones(n, dtype=bool)
         mine = np.flatnonzero(hp >= 0)
         if mine.size:
+            self._host_quiet()
             got = self.store.get([self.key(digests[j], self.rank) for j in mine],
                                  [self.host.page_parts(int(hp[j])) for j in mine])
             ok[mine] = np.asarray(got, dtype=bool)
@@ -191,6 +192,16 @@ class L3Tier:
             log.info("L3 fetch: %d of %d page(s) arrived; the rest are recomputed", cut, n)
             self.host.free(hp[cut:], owners[cut:])
         return hp[:cut]
+
+    def _host_quiet(self) -> None:
+        """Wait for HiCache's side stream before the host touches L2 rows (CUDA; a no-op on CPU).
+
+        L1 eviction only orders the compute stream after its backup copy
+        (``wait_all``), so an L2 page may still be landing when L2 drops its
+        node and hands the page to a fetch, or when write-back reads it.
+        """
+        if self.hicache.cuda:
+            self.hicache.stream.synchronize()
 
     def _pages_that_fit(self, owners: np.ndarray) -> int:
         free = self.host.ledger.free_pages()
@@ -237,6 +248,8 @@ class L3Tier:
                     keys.append(self.key(d, self.rank))
                     parts.append(self.host.page_parts(hp))
             spans.append((node, begin, len(keys), len(digests) == node.num_pages))
+        if keys:
+            self._host_quiet()
         ok = np.asarray(self.store.put(keys, parts) if keys else [], dtype=bool)
         stored = int(ok.sum())
         self.stats["stored_pages"] += stored
