@@ -128,7 +128,8 @@ def _check_run_flags(args: argparse.Namespace) -> None:
         raise InputError("--evict applies to --cache runs")
     for flag, value in (("--cache-layout", args.cache_layout), ("--write-policy", args.write_policy)):
         if value is not None and not (args.cache and (args.evict or args.l3)):
-            raise InputError(f"{flag} applies to --cache --evict or --cache --l3 runs (it configures the L2 host pool)")
+            raise InputError(f"{flag} applies to --cache --evict runs and --cache --l3 runs (it configures the L2 "
+                             "host pool)")
     if args.l3 is not None:
         from cpgraph.runtime.storage import parse_spec
 
