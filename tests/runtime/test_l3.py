@@ -185,6 +185,14 @@ def test_write_back_stores_when_l2_drops_a_node_and_at_flush(tiny, tmp_path):
     assert fresh.prefill(prompts[:1]).hits[0]["l3"] > 0
 
 
+def test_l2_too_small_for_the_run_fetches_what_fits(tiny, stored, tmp_path):
+    _, cold, _, _ = stored
+    eng = _engine(tiny, f"file:{_copy(stored, tmp_path)}", host_pages=2)
+    res = eng.prefill(tiny[2][:1])  # 4 pages in L3, room for 2 in L2
+    assert res.hits[0] == {"device": 0, "host": 0, "l3": 32, "computed": 38}
+    torch.testing.assert_close(res.logits, cold[:1], rtol=0, atol=ATOL)
+
+
 def test_prefetch_fills_l2_before_admission(tiny, stored, tmp_path):
     eng = _engine(tiny, f"file:{_copy(stored, tmp_path)}")
     assert eng.prefetch([tiny[2][0], list(range(20))]) == [64, 0]
