@@ -127,8 +127,17 @@ def _check_run_flags(args: argparse.Namespace) -> None:
     if args.evict and not args.cache:
         raise InputError("--evict applies to --cache runs")
     for flag, value in (("--cache-layout", args.cache_layout), ("--write-policy", args.write_policy)):
-        if value is not None and not (args.cache and args.evict):
-            raise InputError(f"{flag} applies to --cache --evict runs (it configures the L2 host pool)")
+        if value is not None and not (args.cache and (args.evict or args.l3)):
+            raise InputError(f"{flag} applies to --cache --evict runs and --cache --l3 runs (it configures the L2 "
+                             "host pool)")
+    if args.l3 is not None:
+        from cpgraph.runtime.storage import parse_spec
+
+        if not args.cache:
+            raise InputError("--l3 applies to --cache runs (the L3 sits behind the L2 host pool)")
+        if args.cuda_graphs:
+            raise InputError("--cuda-graphs does not take --l3 (L3 pages come back through the L2 load-back)")
+        parse_spec(args.l3)
     if args.cache:
         if args.prefix_lens is not None:
             raise InputError("--cache takes cached prefixes from the radix cache; drop --prefix-lens")
@@ -371,7 +380,8 @@ def _print_cache(hits, evicted, load_misses, second, first) -> bool:
     import torch
 
     for n, h in enumerate(hits, start=1):
-        print(f"pass {n}: L1 (device) hit {h['device']} token(s), L2 (host) hit {h['host']} token(s), "
+        l3 = f", L3 (store) hit {h['l3']} token(s)" if "l3" in h else ""
+        print(f"pass {n}: L1 (device) hit {h['device']} token(s), L2 (host) hit {h['host']} token(s){l3}, "
               f"computed {h['computed']} token(s)")
     if evicted:
         print(f"between passes: evicted {evicted} page(s) from L1 to L2; load-backs degraded to a miss: {load_misses}")
@@ -407,11 +417,19 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
         forward = graphed_forward(forward, max_requests=len(prompts.ids))
     pages = default_capacity(prompts.ids, DEFAULT_PAGE_SIZE)
     engine = CacheEngine(forward, model, num_pages=pages, kv_format=args.kv_format, page_size=DEFAULT_PAGE_SIZE,
-                         host_pages=pages if args.evict else 0, **_cache_kwargs(args))
+                         host_pages=pages if args.evict or args.l3 else 0, l3=args.l3, **_cache_kwargs(args))
     out = run_twice(engine, prompts.ids, evict=args.evict, progress=progress)
+    l3 = None
+    if engine.l3 is not None:
+        engine.flush_l3()
+        l3 = {"store": engine.l3.store.name, "policy": engine.l3.write_policy, **engine.l3.stats,
+              "store_stats": dict(engine.l3.store.stats)}
+        engine.close()
     first, second = out["first"].float().cpu(), out["second"].float().cpu()
     top = _print_top(args, prompts, None, first)
     ok = _print_cache(out["hits"], out["evicted_pages"], out["load_misses"], second, first)
+    if l3 is not None:
+        print(f"L3 {l3['store']} ({l3['policy']}): fetched {l3['fetched_pages']} page(s), stored {l3['stored_pages']}")
     weight_bytes = weight_bytes_per_rank(model)
     print(f"KV cache {args.kv_format}: {engine.pool.total_bytes()} bytes allocated; weights: {weight_bytes} bytes")
     providers, op_calls, replays = selected(model.device.type), calls(model.device.type), _graph_replays(forward)
@@ -419,7 +437,8 @@ def _run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
     if args.json:
         payload = {"logits": first.tolist(), "second_pass_logits": second.tolist(), "tokens": prompts.ids,
                    "top_ids": top, "model": str(args.model), "kv_format": args.kv_format, "hits": out["hits"],
-                   "evicted_pages": out["evicted_pages"], "hicache": out["hicache"], "weight_bytes": weight_bytes,
+                   "evicted_pages": out["evicted_pages"], "hicache": out["hicache"], "l3": l3,
+                   "weight_bytes": weight_bytes,
                    "kv_pool_bytes": engine.pool.total_bytes(), "weights": args.weights or "dequantize",
                    "device": args.device, "providers": providers, "provider_calls": op_calls,
                    "cuda_graph_replays": replays, **_text_payload(prompts, top)}
@@ -452,7 +471,7 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
                      kv_format=args.kv_format, dtype=args.dtype, weights=args.weights, backend=backend,
                      page_size=DEFAULT_PAGE_SIZE,
                      cache=args.cache, evict=args.evict, log_level=logging.getLogger("cpgraph").level,
-                     draft=args.draft, **_cache_kwargs(args))
+                     draft=args.draft, l3=args.l3, **_cache_kwargs(args))
     # On a terminal, a line every 10 s while a rank compiles; in a log, one line per phase.
     heartbeat = 10.0 if sys.stderr.isatty() and not args.quiet else None
     res = run_cp(spec, progress=None if args.quiet else progress, heartbeat=heartbeat)
@@ -483,7 +502,8 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
                                computed_tokens=res.tokens_computed, cached_tokens=res.tokens_cached, **draft_extra)
         if res.cache is not None:
             payload.update(second_pass_logits=res.cache["second"].tolist(), hits=res.cache["hits"],
-                           evicted_pages=res.cache["evicted_pages"], hicache=res.cache["hicache"])
+                           evicted_pages=res.cache["evicted_pages"], hicache=res.cache["hicache"],
+                           l3=res.cache.get("l3"))
         _write_json(args.json, payload, progress)
     cache_ok = True
     if res.cache is not None:
@@ -678,6 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--write-policy", choices=("write_through", "write_back"), default=None,
                    help="with --cache --evict: back up new cache nodes at insert (write_through, the default) or "
                         "at eviction (write_back)")
+    r.add_argument("--l3", default=None, metavar="SPEC",
+                   help="with --cache: a persistent page store behind the L2 host pool, shared by every run with the "
+                        "same model and KV layout: file:DIR[,max_bytes=SIZE] or mooncake:HOST:PORT[,metadata=URL] "
+                        "(docs/cache.md); a later run serves the prefixes an earlier one stored")
     r.add_argument("--cuda-graphs", action="store_true",
                    help="with --cache --device cuda: replay the forward from CUDA graphs, one per row bucket "
                         "(docs/cuda_graphs.md)")

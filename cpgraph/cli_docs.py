@@ -48,6 +48,7 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--evict": "cpgraph run --model tiny-glm5 --cache --evict",
         "--cache-layout": "cpgraph run --model tiny-glm5 --cache --evict --cache-layout page_first",
         "--write-policy": "cpgraph run --model tiny-glm5 --cache --evict --write-policy write_back",
+        "--l3": "cpgraph run --model tiny-glm5 --cache --l3 file:/var/cache/cpgraph-l3,max_bytes=64G",
         "--cuda-graphs": "cpgraph run --model tiny-glm5 --device cuda --cache --cuda-graphs",
         "--draft": "cpgraph run --model ./DeepSeek-V3.2 --device cuda --dtype bfloat16 --draft",
     },

@@ -22,7 +22,19 @@ rank of the CP group:
    across ranks (one collective).
 
 Hits are reported per level: ``device`` (L1), ``host`` (loaded from L2) and
-``computed`` tokens per request.
+``computed`` tokens per request, plus ``l3`` (fetched from the page store
+into L2, then loaded back) when the engine has an L3.
+
+With an L3 (``l3=``: a ``file:DIR`` / ``mooncake:HOST:PORT`` spec, a
+:class:`~cpgraph.runtime.storage.PageStore` or an
+:class:`~cpgraph.runtime.l3.L3Config`; it needs ``host_pages > 0``) step 1
+first looks past each request's radix hit for the longest run of pages the
+store holds, fetches it into L2 and attaches it to the tree, so the match
+that follows loads it back per layer like any L2 hit
+(:mod:`cpgraph.runtime.l3`).  Pages reach the store from L2: when a node is
+backed up (``write_through``) or when L2 drops it and at :meth:`CacheEngine.flush_l3`
+(``write_back``).  :meth:`CacheEngine.prefetch` runs the L3 step alone, for a
+server that wants a queued request's prefix in L2 before its admission.
 
 With a ``draft`` forward (the MTP layer, docs/mtp.md) the pool holds one more
 logical layer (id ``num_hidden_layers``) in the same pages: a cached page
@@ -53,13 +65,15 @@ from cpgraph.plan import plan_prefill
 from .engine import _FORMATS, check_prompts, draft_pools, forward_batch, pool_config, pool_tensors
 from .hicache import DevicePages, HiCache, HostPool, LaneDeficit
 from .kv_pool import KVPool, KVPoolExhausted
+from .l3 import L3Config, L3Tier
 from .radix import RadixCache, RadixNode, TokenKey, check_consistent
+from .storage import store_fingerprint, weights_identity
 
 
 @dataclass
 class CacheResult:
     logits: Tensor  # fp32 [B, vocab]
-    hits: list[dict]  # per request: {"device": tokens, "host": tokens, "computed": tokens}
+    hits: list[dict]  # per request: {"device": tokens, "host": tokens, ["l3": tokens,] "computed": tokens}
     device_pages_in_use: int  # this rank's L1 pages held after the batch (all cached)
     topk: list[Tensor] | None = None
     meta: object | None = None
@@ -67,7 +81,9 @@ class CacheResult:
     draft_logits: Tensor | None = None  # fp32 [B, vocab] of the MTP draft (with a draft forward)
 
     def totals(self) -> dict:
-        return {k: sum(h[k] for h in self.hits) for k in ("device", "host", "computed")}
+        tiers = ("device", "host", "l3", "computed") if self.hits and "l3" in self.hits[0] else \
+            ("device", "host", "computed")
+        return {k: sum(h[k] for h in self.hits) for k in tiers}
 
 
 @dataclass
@@ -81,6 +97,7 @@ class _Request:
     loads: list = field(default_factory=list)  # in-flight L2 -> L1 load-backs (per-layer events)
     device_hit: int = 0
     host_hit: int = 0
+    l3_hit: int = 0
 
 
 class CacheEngine:
@@ -91,11 +108,14 @@ class CacheEngine:
     called as ``forward(input_ids, meta, mla_pools, index_pools)``.
     ``group``/``debug_device``: where the debug fingerprint collective runs.
     ``draft``: the MTP draft forward (run after the target on its local hidden rows).
+    ``l3``: the page store behind L2 (module docstring); every rank of a CP
+    group opens its own (they store and fetch only their own pages).
     """
 
     def __init__(self, forward: Callable, model, *, num_pages: int, kv_format: str = "bf16", page_size: int = 16,
                  rank: int = 0, cp_size: int = 1, host_pages: int = 0, host_layout: str = "layer_page_first",
-                 write_policy: str = "write_through", group=None, draft: Callable | None = None):
+                 write_policy: str = "write_through", group=None, draft: Callable | None = None,
+                 l3: "str | L3Config | None" = None):
         if kv_format not in _FORMATS:
             raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {kv_format!r}")
         self.forward, self.model = forward, model
@@ -110,6 +130,17 @@ class CacheEngine:
             host = HostPool(self.pool, host_pages, cp_size, host_layout)
             self.hicache = HiCache(self.device, host, self.tree, write_policy=write_policy,
                                    evict_device=self._evict_lanes)
+        self.l3: L3Tier | None = None
+        if l3 is not None:
+            if self.hicache is None:
+                raise ValueError("an L3 needs the L2 host pool it fetches into and stores from: set host_pages > 0")
+            cfg = L3Config.coerce(l3)
+            store = cfg.open()
+            payloads = list(zip(host.payload_ids, host.payload_bytes))
+            fp = store_fingerprint(model.config.to_dict(), cfg.weights_id or weights_identity(model),
+                                   self.pool.config, payloads, cp_size)
+            self.l3 = L3Tier(store, self.hicache, fingerprint=fp, write_policy=cfg.write_policy,
+                             with_next_token=draft is not None, group=group, device=model.device)
 
     # ---------------------------------------------------------------- eviction
     def _release(self, node: RadixNode) -> bool:
@@ -120,13 +151,28 @@ class CacheEngine:
                 handle = self.hicache.backup([node])
                 if handle is not None:
                     handle.wait_all()  # later writes to the freed pages wait for the copy
+                    self._store_through(handle, [node])
             keep = self.hicache.usable_from_host(node)
         self.device.free(node.device_pages, node.page_owners)
         return keep
 
     def _release_host(self, node: RadixNode) -> None:
+        """L2 drops ``node`` with its L1 parent evicted (``write_back``: the L3 copy is made first)."""
+        if self.hicache is not None:
+            self.hicache.evict_host_node(node)
+
+    def _drop_stale_host(self, node: RadixNode) -> None:
+        """``insert`` revives ``node`` with other owners or another continuation: its L2 copy is stale, never stored."""
         if self.hicache is not None:
             self.hicache.release_host(node)
+
+    def _store_through(self, handle, nodes) -> None:
+        """L3 ``write_through``: store ``nodes`` once their L2 copy (``handle``) has landed on the host."""
+        if self.l3 is None or self.l3.write_policy != "write_through":
+            return
+        if handle is not None:
+            handle.synchronize()
+        self.l3.put_nodes([n for n in nodes if n.host_pages is not None])
 
     def _evict_lanes(self, deficits: dict[int, int]) -> None:
         for lane, need in sorted(deficits.items()):
@@ -149,9 +195,42 @@ class CacheEngine:
         raise AssertionError("unreachable")
 
     # ----------------------------------------------------------------- prefill
+    def _fetch_l3(self, req: _Request, limit: int):
+        """Fetch the L3-resident pages right after ``req``'s radix hit into L2; returns the attached node or None.
+
+        Every condition here depends only on rank-identical state (tokens,
+        tree), so all CP ranks take the same branch and issue the same
+        collectives inside :meth:`L3Tier.lookup` / :meth:`L3Tier.fetch`.
+        """
+        m = self.tree.match_prefix(req.key, max_pages=limit)
+        start = sum(n.num_pages for n in m.nodes)
+        if start >= limit or self.tree.extends_past(req.key, start):
+            return None  # all cached, or the tree goes on (an MTP draft back-off): nothing for L3 to add
+        if not all(n.device_pages is not None or self.hicache.usable_from_host(n) for n in m.nodes):
+            return None
+        digests = self.l3.chain(req.tokens, limit)[start:]
+        owners = self.l3.lookup(digests)
+        if owners.size == 0:
+            return None
+        anchor = m.nodes[-1] if m.nodes else None
+        if anchor is not None:
+            self.tree.inc_lock(anchor)  # L2 room for the fetch must not come from this request's own path
+        try:
+            hp = self.l3.fetch(digests[: owners.size], owners)
+        finally:
+            if anchor is not None:
+                self.tree.dec_lock(anchor)
+        if hp is None or hp.size == 0:
+            return None
+        end = start + int(hp.size)
+        return self.tree.attach_host(req.key[: end * self.page_size], start, hp, owners[: hp.size],
+                                     self.hicache.host.required_payloads,
+                                     next_token=int(req.tokens[end * self.page_size]))
+
     def _match(self, req: _Request) -> None:
         ps = self.page_size
         limit = (len(req.tokens) - 1) // ps
+        fetched = self._fetch_l3(req, limit) if self.l3 is not None else None
         m = self.tree.match_prefix(req.key, max_pages=limit)
         nodes = m.device_nodes
         if nodes:
@@ -173,7 +252,8 @@ class CacheEngine:
                     req.loads.append(handle)  # layer L's compute waits for layer L's copy only (kv_layer_ready)
                     req.locks.append(run[-1])
                     nodes = nodes + run
-                    req.host_hit = sum(n.num_pages for n in run) * ps
+                    req.l3_hit = sum(n.num_pages for n in run if n is fetched) * ps
+                    req.host_hit = sum(n.num_pages for n in run) * ps - req.l3_hit
         if nodes:
             req.prefix_pages = np.concatenate([n.device_pages for n in nodes])
             req.prefix_owners = np.concatenate([n.page_owners for n in nodes]).astype(np.int64)
@@ -217,7 +297,7 @@ class CacheEngine:
             out, meta = ran[0], ran[1]
             draft_out = ran[2] if self.draft is not None else None
             allocated = []  # from here on the pages belong to the insert/free step
-            new_nodes = []
+            last_nodes = []
             # The token after each request's last whole page as its pages were computed: the prompt's, or
             # (with a draft, prompt ending on a page boundary) the sampled token the draft was given.
             sampled = None
@@ -228,14 +308,13 @@ class CacheEngine:
                 m = p // ps
                 after = r.tokens[full * ps] if len(r.tokens) > full * ps else (sampled[i] if sampled else -1)
                 res = self.tree.insert(r.key[: full * ps], table[:full], own[:full], matched_pages=m,
-                                       drop_host=self._release_host, next_token=int(after))
+                                       drop_host=self._drop_stale_host, next_token=int(after))
                 drop = np.flatnonzero(~res.adopted)
                 drop = np.concatenate([drop, np.arange(full, table.shape[0])])  # + the partial last page
                 if drop.size:
                     self.device.free(table[drop], own[drop])
-                new_nodes += res.new_nodes + res.revived_nodes
-            if self.hicache is not None and self.hicache.write_policy == "write_through":
-                self.hicache.backup([n for n in new_nodes if n.device_pages is not None])
+                last_nodes.append(res.last_node)
+            self.backup_inserted(last_nodes)
         finally:
             for pages, own in allocated:  # failed before the forward finished: give the pages back
                 self.device.free(pages, own)
@@ -243,12 +322,82 @@ class CacheEngine:
                 for node in r.locks:
                     self.tree.dec_lock(node)
         check_consistent(self.tree, self.group, device=self.model.device)
-        hits = [{"device": r.device_hit, "host": r.host_hit, "computed": len(r.tokens) - r.device_hit - r.host_hit}
-                for r in reqs]
+        hits = [self._hits(r) for r in reqs]
         misses = (self.hicache.stats["load_misses"] if self.hicache else 0) - misses_before
         return CacheResult(out.logits, hits, int(self.device.ledger.used[self.rank]), out.topk if return_topk else None,
                            meta if return_topk else None, misses,
                            draft_logits=draft_out.logits if draft_out is not None else None)
+
+
+    def _hits(self, r: _Request) -> dict:
+        computed = len(r.tokens) - r.device_hit - r.host_hit - r.l3_hit
+        if self.l3 is None:
+            return {"device": r.device_hit, "host": r.host_hit, "computed": computed}
+        return {"device": r.device_hit, "host": r.host_hit, "l3": r.l3_hit, "computed": computed}
+
+    def backup_inserted(self, last_nodes) -> None:
+        """After inserts: under ``write_through`` back up every node on the inserted paths, then store them in L3.
+
+        ``last_nodes``: each insert's ``InsertResult.last_node``.  Whole
+        paths, because a new node split by a later request of the same batch
+        left its head (a node object of its own) outside the insert results.
+        A no-op under ``write_back`` (nodes are backed up when L1 evicts them).
+        """
+        if self.hicache is None or self.hicache.write_policy != "write_through":
+            return
+        todo = list({id(n): n for last in last_nodes for n in _path_to(last, self.tree.root)}.values())
+        handle = self.hicache.backup([n for n in todo if n.device_pages is not None])
+        self._store_through(handle, todo)
+
+    # --------------------------------------------------------------------- L3
+    def prefetch(self, token_lists: Sequence[Sequence[int]]) -> list[int]:
+        """Fetch each prompt's L3-resident prefix (past its radix hit) into L2 now; returns tokens fetched per prompt.
+
+        For a server: call it when a request is queued, so its admission
+        (:meth:`prefill`) finds the prefix in L2.  Every CP rank must call it
+        with the same prompts (it runs the lookup collectives).  Without an
+        L3 it fetches nothing.
+        """
+        out = []
+        for tokens in token_lists:
+            tokens = list(tokens)
+            node = None
+            if self.l3 is not None and len(tokens) > self.page_size:
+                node = self._fetch_l3(_Request(tokens, TokenKey(tokens)), (len(tokens) - 1) // self.page_size)
+            out.append(node.num_pages * self.page_size if node is not None else 0)
+        return out
+
+    def flush_l3(self) -> int:
+        """Store every cached node that has no L3 copy yet (L1-only nodes are backed up to L2 first, room permitting).
+
+        What a process calls before it exits under ``write_back`` (whose
+        stores otherwise happen only when L2 drops a node); under
+        ``write_through`` it stores what an earlier write failed to.
+        Returns the pages this rank stored.
+        """
+        if self.l3 is None:
+            return 0
+        nodes = list(self.tree.nodes())
+        handle = self.hicache.backup([n for n in nodes if n.device_pages is not None and n.host_pages is None])
+        if handle is not None:
+            handle.synchronize()
+        return self.l3.flush(nodes)
+
+    def close(self) -> None:
+        """Release the L3 store (idempotent); the engine keeps working without it."""
+        if self.l3 is not None:
+            self.hicache.before_host_evict = None
+            self.l3.store.close()
+            self.l3 = None
+
+
+def _path_to(node, root) -> list:
+    """``node`` and its ancestors below ``root``."""
+    out = []
+    while node is not None and node is not root:
+        out.append(node)
+        node = node.parent
+    return out
 
 
 def default_capacity(token_lists, page_size: int) -> int:

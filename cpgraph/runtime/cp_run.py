@@ -53,6 +53,7 @@ class CPRunSpec:
     evict: bool = False  # with cache: evict L1 to the L2 host pool between the passes
     host_layout: str = "layer_page_first"
     write_policy: str = "write_through"
+    l3: str | None = None  # with cache: the L3 page store spec (every rank opens its own; docs/cache.md)
     log_level: int | None = None  # logging level for the cpgraph logger in each rank (None: leave as is)
     draft: bool = False  # also run the MTP draft layer (a second compiled graph) after the target
 
@@ -140,7 +141,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
         if spec.cache:
             cache, res, compile_s, seconds = _cached_runs(spec, forward, model, rank, cuda, report)
             computed = cache["hits"][1]["computed"]
-            cached = cache["hits"][1]["device"] + cache["hits"][1]["host"]
+            cached = cache["hits"][1]["device"] + cache["hits"][1]["host"] + cache["hits"][1].get("l3", 0)
         else:
             report(f"compiling ({spec.backend}) in the first run", every_rank=True)
             t0 = time.perf_counter()
@@ -229,8 +230,9 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool, report:
 
     pages = default_capacity(spec.prompts, spec.page_size)
     engine = CacheEngine(forward, model, num_pages=pages, kv_format=spec.kv_format, page_size=spec.page_size,
-                         rank=rank, cp_size=spec.cp, host_pages=pages if spec.evict else 0,
-                         host_layout=spec.host_layout, write_policy=spec.write_policy)
+                         rank=rank, cp_size=spec.cp, host_pages=pages if spec.evict or spec.l3 else 0,
+                         host_layout=spec.host_layout, write_policy=spec.write_policy, group=dist.group.WORLD,
+                         l3=spec.l3)
     report(f"compiling ({spec.backend}) in the first (cold) cache pass", every_rank=True)
     t0 = time.perf_counter()
     first = engine.prefill(spec.prompts, progress=lambda m: report(f"cold pass: {m}"))
@@ -247,12 +249,19 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool, report:
     if cuda:
         torch.cuda.synchronize()
     second_s = time.perf_counter() - t0
+    l3 = None
+    if engine.l3 is not None:  # every rank stores its own pages; rank 0's figures are reported
+        engine.flush_l3()
+        l3 = {"store": engine.l3.store.name, "policy": engine.l3.write_policy, **engine.l3.stats,
+              "store_stats": dict(engine.l3.store.stats)}
+        engine.close()
     summary = {
         "second": second.logits.float().cpu(),
         "hits": [first.totals(), second.totals()],
         "evicted_pages": evicted,
         "load_misses": second.load_misses,
         "hicache": dict(engine.hicache.stats) if engine.hicache is not None else None,
+        "l3": l3,
         "first_seconds": first_s,
         "second_seconds": second_s,
     }

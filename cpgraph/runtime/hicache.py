@@ -141,6 +141,21 @@ class HostPool:
     def total_bytes(self) -> int:
         return self.buffer.nbytes if self.layout == "page_first" else sum(b.nbytes for b in self.buffers)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The host tensors holding the pages (what an L3 backend registers for zero-copy transfers)."""
+        return [self.buffer] if self.layout == "page_first" else list(self.buffers)
+
+    def page_parts(self, page: int) -> list[torch.Tensor]:
+        """Host page ``page`` as 1-D uint8 views, one per payload in payload order (an L3 object's byte ranges).
+
+        Under ``page_first`` the page is one contiguous row, returned whole:
+        the same bytes in the same order, so both layouts read and write the
+        same L3 objects.
+        """
+        if self.layout == "page_first":
+            return [self.buffer[page]]
+        return [b[page] for b in self.buffers]
+
     def alloc(self, owners) -> np.ndarray:
         return _alloc(self.ledger, self.allocator, owners, "host pool")
 
@@ -192,6 +207,8 @@ class HiCache:
         self.device, self.host, self.tree = device, host, tree
         self.write_policy = write_policy
         self.evict_device = evict_device  # callback: {lane: pages} -> evicts L1 for those lanes
+        # Called with an L2-only node just before L2 drops it to make room (the L3 write-back hook).
+        self.before_host_evict: Callable[[RadixNode], None] | None = None
         self.payloads = payloads_of(device.pool)
         self.layers = sorted({pid[1] for pid, _ in self.payloads})
         dev = torch.device(device.pool.config.device)
@@ -221,6 +238,12 @@ class HiCache:
         if node.host_pages is not None:
             self.host.free(node.host_pages, node.page_owners)
 
+    def evict_host_node(self, node: RadixNode) -> None:
+        """Drop ``node``'s L2 copy because L2 needs the room: :attr:`before_host_evict` first, then free."""
+        if self.before_host_evict is not None and node.host_pages is not None:
+            self.before_host_evict(node)
+        self.release_host(node)
+
     def usable_from_host(self, node: RadixNode) -> bool:
         """All payloads (MLA of every layer, index-K of every active index layer) present in L2."""
         return node.host_pages is not None and node.host_payloads >= self.host.required_payloads
@@ -237,7 +260,7 @@ class HiCache:
         for node in nodes:
             if node.device_pages is None or node.host_pages is not None:
                 continue
-            hp = self._alloc_host(node.page_owners)
+            hp = self.alloc_host(node.page_owners)
             if hp is None:
                 self.stats["backup_misses"] += 1
                 continue
@@ -256,7 +279,8 @@ class HiCache:
         self.stats["backup_bytes"] += handle.bytes
         return handle
 
-    def _alloc_host(self, owners) -> np.ndarray | None:
+    def alloc_host(self, owners) -> np.ndarray | None:
+        """L2 pages for ``owners``; a lane deficit drops the lane's LRU L2-only leaves and retries once; else None."""
         for attempt in range(2):
             try:
                 return self.host.alloc(owners)
@@ -264,7 +288,7 @@ class HiCache:
                 if attempt:
                     return None
                 for lane, need in exc.deficits.items():
-                    self.tree.evict_host(need, self.release_host, lane=lane)
+                    self.tree.evict_host(need, self.evict_host_node, lane=lane)
         return None
 
     # ------------------------------------------------------------- load back

@@ -1,0 +1,344 @@
+"""HiCache L3: restoring a cached prefix from the page store vs recomputing it, store bandwidth, TTFT.
+
+Two sections, both through the library's real paths (no stand-in copies):
+
+1. ``store`` (per ``--tokens`` N): N / page objects shaped like ``--model``'s
+   KV pool (every layer's MLA records plus index-K pages of the indexer
+   layers: what one L3 object holds) are written to a fresh
+   :class:`~cpgraph.runtime.storage.FileStore` under ``--dir`` and read
+   back into the rows of a host buffer (pinned on CUDA), CRC verification
+   included:
+   * ``file warm``: read right after writing (the page cache holds the files);
+   * ``file cold``: ``os.sync()`` then ``posix_fadvise(POSIX_FADV_DONTNEED)``
+     on every object file before reading (clean pages leave the page cache;
+     the filesystem type is printed: on tmpfs nothing can be dropped);
+   * ``mooncake``: the same objects through a loopback Mooncake Store
+     (master, metadata server and a segment holder started here, TCP), when
+     Mooncake is installed.
+2. ``ttft`` (per ``--ttft-tokens`` N): one prompt of N + 1 tokens.
+   * cold: a :class:`~cpgraph.runtime.cache_engine.CacheEngine` with a file
+     L3 prefills it (every token computed; the L1 -> L2 backup and the
+     write-through store that follow the forward are timed apart and
+     excluded from the TTFT).  On CUDA two more cold passes run on engines
+     without L3 and the median of those is the figure (the first pass at a
+     new size also JIT-compiles Triton kernels);
+   * restored: a fresh engine on the same directory prefills it again: its
+     N-token prefix comes from L3 (fetch into L2, per-layer load-back into
+     L1) and one token is computed; ``restore`` is the fetch + load-back
+     part of that, timed around the library calls, and set against the
+     cold forward (what recomputing the prefix costs): the speed-up is
+     ``cold TTFT / restored TTFT``.  Done with the page cache warm and
+     cold, and from the loopback Mooncake Store.
+
+Models: ``tiny-glm5`` (default; eager, CPU or GPU), any bundled name or
+checkpoint dir, or ``kernel-shaped`` (DeepSeek-V3.2 layout with production
+attention shapes, 4 layers, bf16: ``benchmarks/cuda_graph_bench.py``), the
+model for the H200 figure::
+
+    python benchmarks/l3_bench.py                       # CPU: store at 32K/128K, TTFT at 32K, tiny-glm5
+    python benchmarks/l3_bench.py --device cuda --model kernel-shaped --tokens 32768,131072 \\
+        --ttft-tokens 32768,131072 --dir /tmp/cpgraph-l3-bench --json l3_h200.json
+
+Timings are wall clock around synchronised calls (``torch.cuda.synchronize``
+on CUDA), median of ``--reps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cpgraph.runtime.kv_pool import KVPoolConfig  # noqa: E402
+from cpgraph.runtime.storage import FileStore, MooncakeStore, page_key  # noqa: E402
+from cpgraph.runtime.storage import mooncake_local  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def fs_type(path: Path) -> str:
+    """The filesystem type of ``path`` (longest mount point prefix in /proc/mounts)."""
+    best, kind = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _, mnt, typ, *_ = line.split()
+            if str(path.resolve()).startswith(mnt) and len(mnt) > len(best):
+                best, kind = mnt, typ
+    except OSError:
+        pass
+    return kind
+
+
+def drop_page_cache(store: FileStore) -> int:
+    """``os.sync()``, then POSIX_FADV_DONTNEED on every object file; returns the files advised."""
+    os.sync()
+    n = 0
+    for _, _, path in store._scan():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+# ------------------------------------------------------------------- model
+def load_model(name: str, device: str):
+    from cpgraph.models import from_pretrained
+
+    if name == "kernel-shaped":
+        from cuda_graph_bench import kernel_shaped_model
+
+        return kernel_shaped_model(device)
+    return from_pretrained(name, device=device).eval()
+
+
+def pool_shape(model, page: int) -> KVPoolConfig:
+    from cpgraph.runtime.engine import pool_config
+
+    return pool_config(model, "bf16", page, 1)
+
+
+# ------------------------------------------------------------------- store
+def bench_store(args, cfg: KVPoolConfig, tokens: int, root: Path, mc) -> dict:
+    # One L3 object = one page of every payload (KVPool.bytes_per_page, from the config alone).
+    page_bytes = cfg.num_layers * cfg.mla_bytes_per_page() + len(cfg.active_index_layers) * cfg.index_bytes_per_page()
+    pages = tokens // cfg.page_size
+    pin = args.device == "cuda"
+    src = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8)
+    if pin:
+        src = src.pin_memory()
+    dst = torch.zeros_like(src, pin_memory=pin) if pin else torch.zeros_like(src)
+    keys = [page_key(f"l3-bench-{tokens}", j.to_bytes(32, "little"), 0) for j in range(pages)]  # fresh per size
+    total = pages * page_bytes
+    out = {"tokens": tokens, "pages": pages, "page_bytes": page_bytes, "bytes": total}
+    d = root / f"store-{tokens}"
+    shutil.rmtree(d, ignore_errors=True)
+    store = FileStore(d, threads=args.threads)
+    t0 = time.perf_counter()
+    assert all(store.put(keys, [[src[j]] for j in range(pages)]))
+    out["file_write_gbps"] = total / (time.perf_counter() - t0) / 1e9
+
+    def read(s) -> float:
+        dst.zero_()
+        t = time.perf_counter()
+        ok = s.get(keys, [[dst[j]] for j in range(pages)])
+        dt = time.perf_counter() - t
+        assert all(ok) and torch.equal(dst, src), "bytes read back differ"
+        return total / dt / 1e9
+
+    out["file_warm_gbps"] = statistics.median(read(store) for _ in range(args.reps))
+    cold = []
+    for _ in range(args.reps):
+        drop_page_cache(store)
+        cold.append(read(store))
+    out["file_cold_gbps"] = statistics.median(cold)
+    store.close()
+    shutil.rmtree(d, ignore_errors=True)
+    if mc is not None:
+        ms = MooncakeStore(mc.master, metadata=mc.metadata)
+        ms.register(src)
+        ms.register(dst)
+        t0 = time.perf_counter()
+        ok = ms.put(keys, [[src[j]] for j in range(pages)])
+        out["mooncake_write_gbps"] = total / (time.perf_counter() - t0) / 1e9 if all(ok) else None
+        out["mooncake_read_gbps"] = statistics.median(read(ms) for _ in range(args.reps)) if all(ok) else None
+        ms.close()
+    return out
+
+
+# -------------------------------------------------------------------- TTFT
+class Timer:
+    """Wall time spent inside wrapped callables (synchronised on CUDA)."""
+
+    def __init__(self, device):
+        self.device, self.seconds = device, 0.0
+
+    def wrap(self, fn):
+        def timed(*a, **k):
+            sync(self.device)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            if hasattr(out, "synchronize"):
+                out.synchronize()
+            sync(self.device)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+def bench_ttft(args, model, tokens: int, root: Path, mc) -> dict:
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.runtime.cache_engine import CacheEngine
+
+    page = args.page
+    layout = make_layout(model, "bf16", page)
+
+    def forward(ids, meta, mla, index, **kw):
+        return model(ids, meta, mla, index, layout, **kw)
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (tokens + 1,), generator=g).tolist()
+    pages = -(-len(prompt) // page) + 2
+    d = root / f"ttft-{tokens}"
+    shutil.rmtree(d, ignore_errors=True)
+
+    def engine(spec):
+        return CacheEngine(forward, model, num_pages=pages, page_size=page, host_pages=pages, l3=spec)
+
+    def run(eng):
+        """One timed prefill; the L1 -> L2 backup and the L3 store after the forward are timed apart."""
+        store_t, fetch_t, load_t = Timer(args.device), Timer(args.device), Timer(args.device)
+        eng.hicache.backup = store_t.wrap(eng.hicache.backup)
+        eng.hicache.load_back = load_t.wrap(eng.hicache.load_back)
+        if eng.l3 is not None:
+            eng.l3.put_nodes = store_t.wrap(eng.l3.put_nodes)
+            eng.l3.fetch = fetch_t.wrap(eng.l3.fetch)
+        sync(args.device)
+        t0 = time.perf_counter()
+        res = eng.prefill([prompt])
+        sync(args.device)
+        total = time.perf_counter() - t0
+        return dict(ttft_s=total - store_t.seconds, store_s=store_t.seconds, fetch_s=fetch_t.seconds,
+                    load_back_s=load_t.seconds, hits=res.hits[0]), res.logits
+
+    out = {"tokens": tokens}
+    log(f"ttft {tokens}: warm-up")
+    for _ in range(2):  # first-call costs of both paths (cold, then restored from L3), at a small size
+        engine(f"file:{root / 'warmup'}").prefill([prompt[: 4 * page + 1]])
+    log(f"ttft {tokens}: cold prefill (stores the prefix)")
+    first, cold_logits = run(engine(f"file:{d}"))
+    colds = [first]
+    for _ in range(args.cold_reps - 1):  # more cold passes on engines without L3 (they would hit it)
+        log(f"ttft {tokens}: cold prefill again")
+        colds.append(run(engine(None))[0])
+    # On CUDA the first pass at a new size also JIT-compiles kernels: with several, it is left out.
+    rest = colds[1:] if len(colds) > 1 else colds
+    cold = dict(sorted(rest, key=lambda s: s["ttft_s"])[(len(rest) - 1) // 2], first_ttft_s=first["ttft_s"],
+                passes=len(colds))
+    out["cold"] = cold
+
+    def restored(spec, before=None):
+        samples = []
+        for _ in range(args.reps):
+            if before is not None:
+                before()
+            eng = engine(spec)
+            r, logits = run(eng)
+            assert r["hits"]["l3"] == tokens, r["hits"]
+            r["max_abs_diff_vs_cold"] = float((logits - cold_logits).abs().max())
+            samples.append(r)
+            eng.close()
+        best = sorted(samples, key=lambda s: s["ttft_s"])[(len(samples) - 1) // 2]  # the median (lower middle)
+        best["restore_s"] = best["fetch_s"] + best["load_back_s"]
+        best["speedup_vs_cold"] = cold["ttft_s"] / best["ttft_s"]
+        best["restore_vs_recompute"] = cold["ttft_s"] / max(best["restore_s"], 1e-9)
+        return best
+
+    log(f"ttft {tokens}: restored, file, page cache warm")
+    out["file_warm"] = restored(f"file:{d}")
+    log(f"ttft {tokens}: restored, file, page cache dropped")
+    out["file_cold"] = restored(f"file:{d}", before=lambda: drop_page_cache(FileStore(d)))
+    if mc is not None:
+        log(f"ttft {tokens}: restored, mooncake (copying the objects over)")
+        spec = f"mooncake:{mc.master},metadata={mc.metadata}"
+        src_store, dst_store = FileStore(d), MooncakeStore(mc.master, metadata=mc.metadata)
+        buf = None
+        for _, size, path in src_store._scan():
+            key = Path(path).name
+            if buf is None or buf.numel() != size - 64:
+                buf = torch.zeros(size - 64, dtype=torch.uint8)
+            assert src_store.get([key], [[buf]]) == [True]
+            assert dst_store.put([key], [[buf]]) == [True]
+        dst_store.close()
+        out["mooncake"] = restored(spec)
+    shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model", default="tiny-glm5", help="bundled name, checkpoint dir, or kernel-shaped")
+    ap.add_argument("--tokens", default="32768,131072", help="store section: cached prefix lengths")
+    ap.add_argument("--ttft-tokens", default="32768", help="TTFT section: cached prefix lengths ('' skips it)")
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--dir", default=None, help="where the file store lives (default: a temp dir under /tmp)")
+    ap.add_argument("--threads", type=int, default=None, help="file store threads (default min(8, cores))")
+    ap.add_argument("--reps", type=int, default=3, help="restored passes (and store reads) per case")
+    ap.add_argument("--cold-reps", type=int, default=None,
+                    help="cold passes (default 3 on cuda, the first left out as JIT warm-up; 1 on cpu)")
+    ap.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store measurements")
+    ap.add_argument("--mooncake-segment", default="4GB", help="memory of the local store's segment holder")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.cold_reps is None:
+        args.cold_reps = 3 if args.device == "cuda" else 1
+    root = Path(args.dir or tempfile.mkdtemp(prefix="cpgraph-l3-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    why = mooncake_local.missing()
+    mc = None
+    if not args.no_mooncake and why is None:
+        mc = mooncake_local.LocalMooncake(segment=args.mooncake_segment).start()
+    elif not args.no_mooncake:
+        log(f"no Mooncake measurements: {why}")
+    model = load_model(args.model, args.device)
+    cfg = pool_shape(model, args.page)
+    report = {"device": args.device, "model": args.model, "page": args.page, "dir": str(root),
+              "filesystem": fs_type(root), "cold_method": "os.sync() + posix_fadvise(POSIX_FADV_DONTNEED) per file",
+              "threads": args.threads, "store": [], "ttft": []}
+    log(f"store directory {root} ({report['filesystem']}); model {args.model} on {args.device}")
+    try:
+        for n in [int(x) for x in args.tokens.split(",") if x]:
+            r = bench_store(args, cfg, n, root, mc)
+            report["store"].append(r)
+            moon = (f"; mooncake write {r['mooncake_write_gbps']:.2f} read {r['mooncake_read_gbps']:.2f} GB/s"
+                    if r.get("mooncake_read_gbps") else "")
+            log(f"store {n} tokens = {r['pages']} pages x {r['page_bytes']} B ({r['bytes'] / 1e6:.1f} MB): file write "
+                f"{r['file_write_gbps']:.2f}, read warm {r['file_warm_gbps']:.2f}, cold {r['file_cold_gbps']:.2f} GB/s"
+                f"{moon}")
+        for n in [int(x) for x in args.ttft_tokens.split(",") if x]:
+            r = bench_ttft(args, model, n, root, mc)
+            report["ttft"].append(r)
+            c = r["cold"]
+            log(f"ttft {n}: cold {c['ttft_s'] * 1e3:.1f} ms (+ write-through store {c['store_s'] * 1e3:.1f} ms)")
+            for name in ("file_warm", "file_cold", "mooncake"):
+                if name in r:
+                    w = r[name]
+                    log(f"ttft {n}: restored ({name}) {w['ttft_s'] * 1e3:.1f} ms = {w['speedup_vs_cold']:.1f}x faster; "
+                        f"restore {w['restore_s'] * 1e3:.1f} ms (fetch {w['fetch_s'] * 1e3:.1f} + load-back "
+                        f"{w['load_back_s'] * 1e3:.1f}) vs recompute {c['ttft_s'] * 1e3:.1f} ms = "
+                        f"{w['restore_vs_recompute']:.1f}x; max |logit diff| vs cold {w['max_abs_diff_vs_cold']:.2e}")
+    finally:
+        if mc is not None:
+            mc.stop()
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())

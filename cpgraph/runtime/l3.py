@@ -1,0 +1,267 @@
+"""HiCache L3: what goes to the page store, when, and how a prefix comes back (through L2).
+
+L3 sits behind the L2 host pool and never talks to L1: a page reaches L3 from
+its L2 copy and comes back into L2, from where the existing per-layer
+load-back moves it to L1 (so layer L's compute waits only for layer L's
+copy, as for any L2 hit).  Keys are :mod:`cpgraph.runtime.storage.keys`
+chain hashes bound to the engine's fingerprint.
+
+**Policies** (``write_policy``, the same names as L2's):
+
+* ``write_through``: a node is stored when it gets its L2 copy (at insert
+  under L2 ``write_through``, at L1 eviction under L2 ``write_back``);
+* ``write_back``: a node is stored when L2 drops it to make room, and by
+  :meth:`L3Tier.flush` (what a process calls before it exits).
+
+**Admission** (:meth:`L3Tier.lookup` then :meth:`L3Tier.fetch`): past a
+request's radix hit, the longest run of pages the store holds is fetched into
+freshly allocated L2 pages and attached to the tree as an L2-only node
+(``RadixCache.attach_host``); the engine's next match then loads it back
+like any L2 node.  A page that fails to arrive (missing by now, corrupt,
+a backend error) ends the run there: the pages before it are used, it and
+the pages after it are recomputed (a cached prefix has no holes).
+
+**CP.**  Each rank stores and fetches only the pages it owns, keyed with its
+rank.  Which rank stored page j is not known from the tokens, so lookup is
+one all-gather of every rank's "I hold page j" bits: page j's owner is the
+lowest rank that holds it, and the run ends at the first page nobody holds.
+After the fetch one all-reduce (MIN) of the per-page success bits makes
+every rank cut the run at the same page.  Both collectives depend only on
+state that is identical on all ranks (the tree, the mirrored L2 ledger, the
+tokens), so every rank issues them in the same order; a rank whose store is
+down just answers "not held".  One device: no collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .hicache import WRITE_POLICIES, HiCache
+from .radix import RadixNode
+from .storage import PageStore, open_store, page_chain, page_key, parse_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class L3Config:
+    """An L3 for :class:`~cpgraph.runtime.cache_engine.CacheEngine`: where (a spec or an open store) and when.
+
+    ``store``: ``"file:DIR[,max_bytes=SIZE]"``, ``"mooncake:HOST:PORT[,...]"``
+    (:func:`cpgraph.runtime.storage.parse_spec`) or a :class:`PageStore`.
+    ``weights_id``: the weights' identity in the keys (default: a sampled
+    hash of the model's tensors, :func:`~cpgraph.runtime.storage.weights_identity`).
+    """
+
+    store: PageStore | str
+    write_policy: str = "write_through"
+    weights_id: str | None = None
+
+    @classmethod
+    def coerce(cls, value) -> "L3Config":
+        """A spec string (its ``policy=`` option sets ``write_policy``), a store, or a config."""
+        if isinstance(value, L3Config):
+            return value
+        if isinstance(value, PageStore):
+            return cls(value)
+        if isinstance(value, str):
+            _, _, options = parse_spec(value)
+            return cls(value, write_policy=options.get("policy", "write_through"))
+        raise ValueError(f"l3 must be a spec string, a PageStore or an L3Config, got {type(value).__name__}")
+
+    def open(self) -> PageStore:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"L3 write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        return self.store if isinstance(self.store, PageStore) else open_store(self.store)
+
+
+class L3Tier:
+    """One rank's L3: keys, lookup, fetch into L2, store from L2 (module docstring)."""
+
+    def __init__(self, store: PageStore, hicache: HiCache, *, fingerprint: str, write_policy: str = "write_through",
+                 with_next_token: bool = False, group=None, device="cpu"):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"L3 write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self.store, self.hicache, self.host, self.tree = store, hicache, hicache.host, hicache.tree
+        self.fingerprint, self.write_policy = fingerprint, write_policy
+        self.page_size, self.rank, self.cp_size = self.tree.page_size, self.tree.rank, self.tree.cp_size
+        self.with_next_token = bool(with_next_token)
+        self.group, self.device = group, torch.device(device)
+        self.stats = {"lookup_pages": 0, "fetched_pages": 0, "fetch_failed_pages": 0, "stored_pages": 0,
+                      "store_failed_pages": 0}
+        for t in self.host.tensors():
+            store.register(t)
+        if write_policy == "write_back":
+            hicache.before_host_evict = self._write_back
+
+    # ------------------------------------------------------------------ keys
+    def chain(self, tokens: Sequence[int], num_pages: int) -> list[bytes]:
+        """Chain digests of the first ``num_pages`` pages of ``tokens``."""
+        return page_chain(tokens, self.page_size, num_pages, with_next_token=self.with_next_token)
+
+    def key(self, digest: bytes, owner: int) -> str:
+        return page_key(self.fingerprint, digest, owner)
+
+    # ------------------------------------------------------------ collectives
+    def _gather(self, bits: np.ndarray) -> np.ndarray:
+        """``[cp, n]``: every rank's ``bits`` (one all-gather)."""
+        import torch.distributed as dist
+
+        local = torch.as_tensor(bits.astype(np.uint8)).to(self.device)
+        out = [torch.empty_like(local) for _ in range(self.cp_size)]
+        dist.all_gather(out, local, group=self.group)
+        return torch.stack(out).cpu().numpy().astype(bool)  # sync-ok (admission, host-side decision)
+
+    def _all_min(self, bits: np.ndarray) -> np.ndarray:
+        import torch.distributed as dist
+
+        t = torch.as_tensor(bits.astype(np.int32)).to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return t.cpu().numpy().astype(bool)  # sync-ok (admission, host-side decision)
+
+    # ----------------------------------------------------------------- fetch
+    def lookup(self, digests: Sequence[bytes]) -> np.ndarray:
+        """Owner rank of each page of the leading run of ``digests`` that the store holds (int64, maybe empty)."""
+        n = len(digests)
+        if n == 0:
+            return np.zeros(0, np.int64)
+        if self.cp_size == 1:
+            held = self._leading_held(digests)[None, :]
+        else:  # a rank holds only the pages it owned: its own misses say nothing, so ask about every page
+            self.stats["lookup_pages"] += n
+            held = self._gather(np.asarray(self.store.exists([self.key(d, self.rank) for d in digests]), dtype=bool))
+        anyone = held.any(axis=0)
+        run = int(np.argmin(anyone)) if not anyone.all() else n
+        return np.argmax(held[:, :run], axis=0).astype(np.int64)  # the lowest rank holding each page
+
+    def _leading_held(self, digests: Sequence[bytes]) -> np.ndarray:
+        """One device: ``exists`` in growing chunks (1, 4, 16, ... pages), stopping at the first miss.
+
+        A cold prompt then costs one lookup, not one per page (a file store
+        answers each with a ``stat``).
+        """
+        n = len(digests)
+        held = np.zeros(n, dtype=bool)
+        start, chunk = 0, 1
+        while start < n:
+            stop = min(n, start + chunk)
+            got = np.asarray(self.store.exists([self.key(d, 0) for d in digests[start:stop]]), dtype=bool)
+            self.stats["lookup_pages"] += stop - start
+            held[start:stop] = got
+            if not got.all():
+                break
+            start, chunk = stop, chunk * 4
+        return held
+
+    def fetch(self, digests: Sequence[bytes], owners: np.ndarray) -> np.ndarray | None:
+        """Read the pages (this rank's only) into new L2 pages; returns the host pages of the run that arrived.
+
+        The run is cut at the first page any rank failed to read, and those
+        pages' L2 pages are freed again.  ``None`` when L2 has no room even
+        after dropping least-recently-used L2-only leaves.
+        """
+        owners = np.asarray(owners, dtype=np.int64)
+        n = owners.shape[0]
+        hp = self.hicache.alloc_host(owners)
+        if hp is None:
+            fit = self._pages_that_fit(owners)  # identical on every rank: the ledger is mirrored
+            if fit == 0:
+                return None
+            owners, digests, n = owners[:fit], digests[:fit], fit
+            hp = self.hicache.alloc_host(owners)
+            if hp is None:
+                return None
+        ok = np.ones(n, dtype=bool)
+        mine = np.flatnonzero(hp >= 0)
+        if mine.size:
+            self._host_quiet()
+            got = self.store.get([self.key(digests[j], self.rank) for j in mine],
+                                 [self.host.page_parts(int(hp[j])) for j in mine])
+            ok[mine] = np.asarray(got, dtype=bool)
+        if self.cp_size > 1:
+            ok = self._all_min(ok)
+        cut = int(np.argmin(ok)) if not ok.all() else n
+        self.stats["fetched_pages"] += cut
+        self.stats["fetch_failed_pages"] += n - cut
+        if cut < n:
+            log.info("L3 fetch: %d of %d page(s) arrived; the rest are recomputed", cut, n)
+            self.host.free(hp[cut:], owners[cut:])
+        return hp[:cut]
+
+    def _host_quiet(self) -> None:
+        """Wait for HiCache's side stream before the host touches L2 rows (CUDA; a no-op on CPU).
+
+        L1 eviction only orders the compute stream after its backup copy
+        (``wait_all``), so an L2 page may still be landing when L2 drops its
+        node and hands the page to a fetch, or when write-back reads it.
+        """
+        if self.hicache.cuda:
+            self.hicache.stream.synchronize()
+
+    def _pages_that_fit(self, owners: np.ndarray) -> int:
+        free = self.host.ledger.free_pages()
+        counts = np.zeros((owners.shape[0], free.shape[0]), np.int64)
+        counts[np.arange(owners.shape[0]), owners] = 1
+        fits = (np.cumsum(counts, axis=0) <= free).all(axis=1)
+        return int(np.argmin(fits)) if not fits.all() else owners.shape[0]
+
+    # ----------------------------------------------------------------- store
+    def _node_digests(self, node: RadixNode) -> tuple[list[bytes], int]:
+        """``(digests of the node's pages, index of its first page on the path)``, from the tokens root -> node."""
+        path = []
+        n = node
+        while n is not None and n is not self.tree.root:
+            path.append(n)
+            n = n.parent
+        raw = b"".join(p.key for p in reversed(path))
+        tokens = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+        total = tokens.shape[0] // self.page_size
+        first = total - node.num_pages
+        if self.with_next_token:
+            if node.next_token < 0:  # the last page's draft row has no known continuation: cannot key it
+                total -= 1
+            else:
+                tokens = np.concatenate([tokens, [node.next_token]])
+        return self.chain(tokens, total)[first:], first
+
+    def put_nodes(self, nodes: Sequence[RadixNode]) -> int:
+        """Store this rank's pages of ``nodes`` (each must have its L2 copy); returns pages stored.
+
+        A node is marked ``in_l3`` when every page of it this rank owns was
+        stored (and could be keyed: under a draft, a last page with no known
+        continuation cannot).
+        """
+        keys, parts, spans = [], [], []
+        for node in nodes:
+            if node.in_l3 or node.host_pages is None or not self.hicache.usable_from_host(node):
+                continue
+            digests, _ = self._node_digests(node)
+            begin = len(keys)
+            for j, d in enumerate(digests):
+                hp = int(node.host_pages[j])
+                if hp >= 0:
+                    keys.append(self.key(d, self.rank))
+                    parts.append(self.host.page_parts(hp))
+            spans.append((node, begin, len(keys), len(digests) == node.num_pages))
+        if keys:
+            self._host_quiet()
+        ok = np.asarray(self.store.put(keys, parts) if keys else [], dtype=bool)
+        stored = int(ok.sum())
+        self.stats["stored_pages"] += stored
+        self.stats["store_failed_pages"] += int(ok.size - stored)
+        for node, a, b, complete in spans:
+            node.in_l3 = complete and bool(ok[a:b].all())
+        return stored
+
+    def _write_back(self, node: RadixNode) -> None:
+        """``write_back``: L2 is about to drop ``node``; store it first (a failure only loses the copy)."""
+        self.put_nodes([node])
+
+    def flush(self, nodes) -> int:
+        """Store every node in ``nodes`` that has an L2 copy and no L3 copy yet; returns pages stored."""
+        return self.put_nodes([n for n in nodes if n.host_pages is not None and not n.in_l3])

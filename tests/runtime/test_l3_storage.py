@@ -1,0 +1,235 @@
+"""L3 page stores without a model: keys, the file backend's guarantees, spec parsing.
+
+The file backend's faults are simulated where the machine cannot produce
+them on demand (a full disk, a read-only directory when tests run as root):
+the OS call that would fail is monkeypatched to raise the errno it would.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cpgraph.runtime.kv_pool import KVPoolConfig
+from cpgraph.runtime.storage import (FileStore, SpecError, open_store, page_chain, page_key, parse_spec,
+                                     store_fingerprint)
+from cpgraph.runtime.storage import file_store as fs
+
+
+def _obj(seed: int, sizes=(100, 60, 40)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+
+
+def _key(i: int) -> str:
+    return page_key("fp", i.to_bytes(32, "little"), 0)
+
+
+def _empty(sizes=(100, 60, 40)) -> list[torch.Tensor]:
+    return [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+
+
+# ------------------------------------------------------------------- keys
+def test_chain_digest_covers_the_whole_prefix():
+    a = list(range(64))
+    b = list(range(64))
+    b[3] = 999  # page 0 differs
+    c = list(range(64))
+    c[40] = 999  # page 2 differs
+    da, db, dc = (page_chain(t, 16, 4) for t in (a, b, c))
+    assert all(x != y for x, y in zip(da, db))  # a change in page 0 changes every later page's key
+    assert da[:2] == dc[:2] and da[2] != dc[2] and da[3] != dc[3]
+    # with the draft's dependency the next token is part of a page's digest
+    n1 = page_chain(a + [5], 16, 4, with_next_token=True)
+    n2 = page_chain(a + [6], 16, 4, with_next_token=True)
+    assert n1[:3] == n2[:3] and n1[3] != n2[3]
+    with pytest.raises(ValueError, match="need 65 tokens"):
+        page_chain(a, 16, 4, with_next_token=True)
+    assert page_key("fp", da[0], 0) != page_key("fp", da[0], 1) != page_key("fp2", da[0], 1)
+
+
+def test_fingerprint_separates_models_formats_layouts():
+    def fp(model=None, weights="w", page=16, dtype=torch.float32, index_format=None, payloads=None, cp=1):
+        cfg = KVPoolConfig(num_layers=2, page_size=page, num_pages=4, kv_lora_rank=8, qk_rope_dim=4, index_head_dim=8,
+                           index_layers=[0], dtype=dtype, index_format=index_format)
+        pl = payloads or [(("mla", 0), 100), (("mla", 1), 100), (("index", 0), 50)]
+        return store_fingerprint(model or {"hidden_size": 32}, weights, cfg, pl, cp)
+
+    base = fp()
+    assert fp() == base  # the same model elsewhere: the same keys
+    variants = [fp(model={"hidden_size": 64}), fp(weights="other"), fp(page=32), fp(dtype=torch.bfloat16),
+                fp(index_format="fp8"), fp(payloads=[(("mla", 0), 100), (("mla", 1), 100)]), fp(cp=2)]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_spec_parsing():
+    assert parse_spec("file:/tmp/x,max_bytes=2K,policy=write_back") == \
+        ("file", "/tmp/x", {"max_bytes": 2048, "policy": "write_back"})
+    backend, loc, opts = parse_spec("mooncake:10.0.0.1:50051,metadata=http://10.0.0.1:8080/metadata,segment=1G")
+    assert (backend, loc, opts["segment"]) == ("mooncake", "10.0.0.1:50051", 1 << 30)
+    assert opts["metadata"] == "http://10.0.0.1:8080/metadata"
+    for bad, msg in [("s3:bucket", "expected file:DIR"), ("file:", "needs a location"),
+                     ("file:/x,max_bytes=lots", "expected a size"), ("file:/x,colour=red", "unknown option 'colour'"),
+                     ("file:/x,max_bytes", "not NAME=VALUE"), ("file:/x,policy=lazy", "policy must be one of")]:
+        with pytest.raises(SpecError, match=msg):
+            parse_spec(bad)
+
+
+# -------------------------------------------------------------- file store
+def test_round_trip_across_part_layouts(tmp_path):
+    store = open_store(f"file:{tmp_path}")
+    obj = _obj(0)
+    assert store.exists([_key(1)]) == [False]
+    assert store.put([_key(1)], [obj]) == [True]
+    assert store.exists([_key(1), _key(2)]) == [True, False]
+    # the same object read as one contiguous row (a page_first L2 page) and as three parts
+    whole = torch.zeros(200, dtype=torch.uint8)
+    parts = _empty()
+    assert store.get([_key(1), _key(2)], [[whole], _empty()]) == [True, False]
+    assert store.get([_key(1)], [parts]) == [True]
+    assert torch.equal(whole, torch.cat(obj)) and all(torch.equal(a, b) for a, b in zip(parts, obj))
+    assert store.stats["get_pages"] == 2 and store.stats["get_misses"] == 1
+    with pytest.raises(ValueError, match="uint8"):
+        store.get([_key(1)], [[torch.zeros(50, dtype=torch.float32)]])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "renamed"])
+def test_corrupt_object_is_a_logged_miss_and_deleted(tmp_path, caplog, damage):
+    store = FileStore(tmp_path)
+    store.put([_key(1), _key(2)], [_obj(1), _obj(2)])
+    path = store.path(_key(1))
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[fs.HEADER_BYTES + 17] ^= 0x40
+        damaged = bytes(raw)
+    elif damage == "truncate":
+        damaged = bytes(raw[:-5])
+    else:  # a valid object under another key's name
+        damaged = store.path(_key(2)).read_bytes()
+    path.write_bytes(damaged)
+    out = _empty()
+    with caplog.at_level(logging.WARNING, logger="cpgraph.storage"):
+        assert store.get([_key(1)], [out]) == [False]
+        store.put([_key(1)], [_obj(1)])  # rewritten...
+        path.write_bytes(damaged)  # ...and damaged again
+        assert store.get([_key(1)], [_empty()]) == [False]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "failed verification" in warnings[0].getMessage()  # once per reason
+    assert not path.exists() and store.stats["get_failures"] == 2
+    assert store.get([_key(2)], [_empty()]) == [True]  # the other object is untouched
+
+
+def test_size_bound_evicts_least_recently_used(tmp_path):
+    one = fs.HEADER_BYTES + 200
+    store = FileStore(tmp_path, max_bytes=4 * one)
+    for i in range(4):
+        assert store.put([_key(i)], [_obj(i)]) == [True]
+        os.utime(store.path(_key(i)), ns=(10**9 * (i + 1), 10**9 * (i + 1)))  # distinct, ordered mtimes
+    assert store.get([_key(0)], [_empty()]) == [True]  # 0 is now the most recently used
+    assert store.put([_key(4)], [_obj(4)]) == [True]  # over the bound: evict down to 90% of it
+    present = store.exists([_key(i) for i in range(5)])
+    assert present == [True, False, False, True, True]
+    assert store.used_bytes() <= 4 * one and store.stats["evicted_pages"] == 2
+    tiny = FileStore(tmp_path / "tiny", max_bytes=100)
+    assert tiny.put([_key(9)], [_obj(9)]) == [False] and tiny.stats["put_skipped"] == 1
+
+
+def test_several_writers_of_one_key(tmp_path):
+    """Threads of two store instances write the same page while a reader reads it: never a partial object."""
+    stores = [FileStore(tmp_path, threads=1), FileStore(tmp_path, threads=1)]
+    obj = _obj(7, sizes=(1 << 16, 1 << 15))
+    errors, seen = [], []
+
+    def writer(store):
+        for _ in range(20):
+            if store.path(_key(1)).exists():
+                os.unlink(store.path(_key(1)))  # force a fresh write each round
+            if store.put([_key(1)], [obj]) != [True]:
+                errors.append("put")
+
+    def reader():
+        for _ in range(60):
+            out = _empty(sizes=(1 << 16, 1 << 15))
+            if stores[0].get([_key(1)], [out]) == [True]:
+                seen.append(all(torch.equal(a, b) for a, b in zip(out, obj)))
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in stores] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(seen)
+    assert stores[0].stats["get_failures"] == 0  # a reader never saw a half-written file
+    leftovers = [p for p in (tmp_path / fs.SUBDIR).rglob(".tmp-*")]
+    assert leftovers == []
+
+
+def test_disk_full_stops_writes_and_reads_go_on(tmp_path, monkeypatch, caplog):
+    store = FileStore(tmp_path)
+    store.put([_key(1)], [_obj(1)])
+    calls = []
+
+    def full(fd, buffers, offset):
+        calls.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fs.os, "pwritev", full)
+    with caplog.at_level(logging.WARNING, logger="cpgraph.storage"):
+        assert store.put([_key(2), _key(3)], [_obj(2), _obj(3)]) == [False, False]
+        assert store.put([_key(4)], [_obj(4)]) == [False]
+    assert len(calls) == 1 and not store.writable  # writes stopped after the first failure
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert "full" in caplog.records[0].getMessage()
+    assert store.get([_key(1)], [_empty()]) == [True]  # serving (reads) goes on
+    assert list((tmp_path / fs.SUBDIR).rglob(".tmp-*")) == []  # the failed temporary file is gone
+    store._writes_off_until = 0.0  # the retry time has passed
+    monkeypatch.undo()
+    assert store.writable and store.put([_key(2)], [_obj(2)]) == [True]
+
+
+def test_read_only_and_unusable_directories(tmp_path, monkeypatch, caplog):
+    good = FileStore(tmp_path / "shared")
+    good.put([_key(1)], [_obj(1)])
+    real_open = os.open
+
+    def no_create(path, flags, *a, **k):
+        if flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(fs.os, "open", no_create)
+    with caplog.at_level(logging.WARNING, logger="cpgraph.storage"):
+        ro = FileStore(tmp_path / "shared")
+        assert ro.available and not ro.writable
+        assert ro.get([_key(1)], [_empty()]) == [True]  # pages already there are still served
+        assert ro.put([_key(2)], [_obj(2)]) == [False]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][0].count("not writable") == 1
+    monkeypatch.undo()
+    caplog.clear()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="cpgraph.storage"):
+        gone = FileStore(blocker / "l3")
+        assert not gone.available
+        assert gone.exists([_key(1)]) == [False] and gone.get([_key(1)], [_empty()]) == [False]
+        assert gone.put([_key(1)], [_obj(1)]) == [False]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_batches_use_the_thread_pool(tmp_path):
+    store = FileStore(tmp_path, threads=4)
+    keys = [_key(i) for i in range(16)]
+    objs = [_obj(i) for i in range(16)]
+    assert store.put(keys, objs) == [True] * 16
+    outs = [_empty() for _ in keys]
+    assert store.get(keys, outs) == [True] * 16
+    assert all(torch.equal(a, b) for o, x in zip(outs, objs) for a, b in zip(o, x))
+    assert store.stats["get_bytes"] == 16 * 200 == store.stats["put_bytes"]
+    store.close()
+    assert np.all(store.exists(keys))
