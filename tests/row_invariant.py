@@ -79,6 +79,33 @@ def _addmm_(bias, a, b, *, beta=1, alpha=1):
     return bias.copy_(_scaled(_fixed_order_bmm(a, b), bias, beta, alpha))
 
 
+# Elementwise ops whose CPU kernel computes the body of a tensor with vector code and the last few
+# elements (and each thread's last few) with a scalar formula that rounds differently: an element's
+# bits then depend on where it sits in the tensor, i.e. on the row count.  Recomputed here from ops
+# that apply one formula to every element (``exp``: one vector routine for all lanes, partial
+# vectors included; ``+`` and ``/``: one IEEE operation).
+def _sigmoid_f32(x: Tensor) -> Tensor:
+    return 1.0 / (1.0 + torch.exp(-x.to(_acc_dtype(x.dtype))))
+
+
+def _silu_f32(x: Tensor) -> Tensor:
+    xf = x.to(_acc_dtype(x.dtype))
+    return xf / (1.0 + torch.exp(-xf))
+
+
+def _unary(formula):
+    def functional(x):
+        return formula(x).to(x.dtype)
+
+    def out_variant(x, *, out):
+        return out.copy_(formula(x))
+
+    def in_place(x):
+        return x.copy_(formula(x))
+
+    return functional, out_variant, in_place
+
+
 _KERNELS = {
     "mm": _mm,
     "mm.out": _mm_out,
@@ -91,6 +118,8 @@ _KERNELS = {
     "baddbmm.out": _addmm_out,
     "baddbmm_": _addmm_,
 }
+for _name, _formula in (("sigmoid", _sigmoid_f32), ("silu", _silu_f32)):
+    _KERNELS[_name], _KERNELS[_name + ".out"], _KERNELS[_name + "_"] = _unary(_formula)
 
 
 @contextlib.contextmanager
