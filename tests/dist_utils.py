@@ -12,6 +12,9 @@ and gets back every rank's return value::
 ``pool.submit(...)`` starts the same job and returns at once (``.result()``
 waits), so two pools can work at the same time.
 
+Each rank computes with :func:`rank_threads` threads (1 unless the suite
+runs under ``CPGRAPH_TEST_THREADS``, see ``tests/conftest.py``).
+
 ``ctx`` is a :class:`RankContext` (rank, world_size, group_name).  The
 function must be importable by name (defined at module level of a test
 module) and return something picklable (plain Python / NumPy preferred).
@@ -51,6 +54,25 @@ PRELOAD = [
 ]
 
 
+# The thread count the suite runs at (tests/conftest.py applies it to the pytest process); docs/bitwise.md.
+THREADS_ENV = "CPGRAPH_TEST_THREADS"
+
+
+def suite_threads() -> int | None:
+    """``CPGRAPH_TEST_THREADS`` as a positive int, ``None`` when unset (the machine's default count)."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{THREADS_ENV}={raw!r}: expected a positive integer")
+    return int(raw)
+
+
+def rank_threads() -> int:
+    """Threads per spawned rank: ``CPGRAPH_TEST_THREADS`` if set, else 1 (ranks share the machine's cores)."""
+    return suite_threads() or 1
+
+
 def _context():
     """Multiprocessing context: ``forkserver`` with :data:`PRELOAD`, else ``spawn``."""
     import multiprocessing
@@ -69,13 +91,15 @@ class RankContext:
     group_name: str
 
 
-def _worker(rank: int, world_size: int, init_file: str, jobs, results, timeout_s: float) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _worker(rank: int, world_size: int, init_file: str, jobs, results, timeout_s: float, threads: int) -> None:
+    # The fork server imported torch before this process existed, so OpenMP has read its environment
+    # already: ``torch.set_num_threads`` (OpenMP and MKL) is what sets the rank's thread count.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # daemonic ranks cannot start a compile pool
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
@@ -120,7 +144,7 @@ class DistPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, init_file, self._jobs[r], self._results, self.timeout_s),
+                args=(r, self.world_size, init_file, self._jobs[r], self._results, self.timeout_s, rank_threads()),
                 daemon=True,
             )
             for r in range(self.world_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 
 import pytest
 import torch
@@ -42,7 +43,11 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     assert rc == 0
     captured = capsys.readouterr()
     text = captured.out
-    assert "bit-identical" in text and "every rank holds the same logits: True" in text
+    assert "every rank holds the same logits: True" in text  # one gather: the same bytes on every rank
+    # The CLI's ranks compute their own rows with the machine's GEMMs, whose bits depend on the row and
+    # thread counts: CP equals one device to rounding, not bit for bit (docs/bitwise.md).
+    rel = float(re.search(r"vs single-device eager: max \|diff\| \S+ \(relative (\S+)\)", text).group(1))
+    assert rel <= 1e-5, text
     assert "rank 1: KV" in text and "of a replicated cache" in text
     model = from_pretrained(ckpt)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -57,7 +62,7 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {"logits", "tokens", "top_ids", "kv_format", "prefix_lens"} <= data.keys()  # same keys as one device
     ref = prefill_logits(model, data["tokens"], prefix_lens=data["prefix_lens"])
-    assert torch.equal(torch.tensor(data["logits"]), ref)
+    torch.testing.assert_close(torch.tensor(data["logits"]), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
     assert sum(data["kv_bytes_per_rank"]) == data["replicated_kv_bytes"]
     assert data["computed_tokens"] == 283 and data["cached_tokens"] == 0
     assert data["weight_bytes_per_rank"] == [weights, weights]

@@ -5,9 +5,11 @@ IndexCache layer reusing its top-k) ties exactly at the top-k boundary on
 many rows, so any rank- or chunk-dependent tie-break would change the logits
 by tens of percent.  Each of the suite's shared CP
 ranks compiles the model once with the CP passes (``aot_eager``: the graph's
-ops run eagerly, so the comparison with the single-device run is bit-exact);
-rank 0 also runs the eager model and transformers with its indexer top-k
-patched to the same rule.
+ops run eagerly) and runs it with fixed-order matrix products
+(``tests/row_invariant.py``), so the comparison with the single-device run is
+bit-exact by construction whatever each side's row count and thread count
+(docs/bitwise.md); rank 0 also runs the eager model and transformers with its
+indexer top-k patched to the same rule.
 """
 
 from __future__ import annotations
@@ -24,14 +26,20 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from cp_model import CP_TIMEOUT_S  # noqa: E402
 from dist_utils import shared_pool  # noqa: E402
+from row_invariant import row_invariant_matmul  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bitexact]
 
 PAGE = 16
 LENS, PREFIX = [50, 37, 23], [16, 0, 0]
 
 
 def job_tie_batch(ctx, _):
+    with row_invariant_matmul():
+        return _tie_batch(ctx)
+
+
+def _tie_batch(ctx):
     from hf_oracle import TopkCapture, config_variants, make_pair, prompts
 
     from cpgraph.models.prefill import make_layout

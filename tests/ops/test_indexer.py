@@ -405,6 +405,7 @@ def test_tie_rule_same_on_every_cp_rank_as_on_one_device():
 
 
 # --------------------------------------------------------------- indexer_topk
+@pytest.mark.bitexact  # the budget chunks rows: GEMMs of other row counts than the unfused op's (docs/bitwise.md)
 def test_indexer_topk_equals_unfused_and_ignores_budget():
     plan, rp, q, k, w = planned_batch([4, 0], [9, 6], cp=2, page=4, rank=1, H=5, D=8, row_align=4)
     N = k.shape[0]
@@ -452,6 +453,7 @@ def _hf_indexer(H, D, topk, hidden, seed):
     return mod
 
 
+@pytest.mark.bitexact  # fused in 2-row chunks against the unfused op's one GEMM (docs/bitwise.md)
 def test_topk_sets_match_transformers_indexer():
     pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
     H, D, topk, hidden = 4, 16, 5, 32
