@@ -34,6 +34,8 @@ _CALLS = {"n": 0}  # products computed here (a test checks the context really ra
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    if not dtype.is_floating_point:
+        return dtype  # integer products are exact in any order
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -123,11 +125,16 @@ for _name, _formula in (("sigmoid", _sigmoid_f32), ("silu", _silu_f32)):
 
 
 @contextlib.contextmanager
-def row_invariant_matmul() -> Iterator[None]:
-    """Within the block, CPU matrix products of this process use the fixed summation order above."""
+def row_invariant_matmul(expect_products: bool = True) -> Iterator[None]:
+    """Within the block, CPU matrix products of this process use the fixed summation order above.
+
+    ``expect_products``: fail if the block computed no product here (a forward that bypassed the
+    replaced kernels would otherwise make a bit-exact comparison pass or fail by luck again).
+    """
     import warnings
 
     lib = torch.library.Library("aten", "IMPL")
+    before = _CALLS["n"]
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
@@ -136,6 +143,8 @@ def row_invariant_matmul() -> Iterator[None]:
         yield
     finally:
         lib._destroy()
+    if expect_products and _CALLS["n"] == before:
+        raise AssertionError("no matrix product ran inside row_invariant_matmul(): nothing was made row-invariant")
 
 
 def products_computed() -> int:

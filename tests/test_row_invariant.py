@@ -194,3 +194,12 @@ def test_the_classes_hold_here():
               lambda t: t.topk(5, dim=-1).values]
     for f in checks:
         assert _rows_invariant(f, x)
+
+def test_a_block_without_products_is_an_error():
+    """A rank job whose forward bypassed the replaced kernels must not pass as 'bit-exact by construction'."""
+    with pytest.raises(AssertionError, match="no matrix product ran"):
+        with row_invariant_matmul():
+            torch.ones(3).sum()
+    before = products_computed()
+    torch.ones(2, 3) @ torch.ones(3, 4)  # the test's own (outer) block is still in force
+    assert products_computed() == before + 1
