@@ -32,6 +32,7 @@ EXAMPLES: dict[str | None, str] = {
     "--page": "cpgraph serve --model ./GLM-5 --page 64",
     "--num-pages": "cpgraph serve --model tiny-glm5 --num-pages 8192",
     "--host-pages": "cpgraph serve --model tiny-glm5 --host-pages 16384",
+    "--l3": "cpgraph serve --model tiny-glm5 --host-pages 4096 --l3 file:/var/cache/cpgraph",
     "--token-budget": "cpgraph serve --model tiny-glm5 --token-budget 4096",
     "--chunk-tokens": "cpgraph serve --model tiny-glm5 --token-budget 4096 --chunk-tokens 1024",
     "--max-batch-requests": "cpgraph serve --model tiny-glm5 --max-batch-requests 16",
@@ -77,6 +78,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--num-pages", type=int, default=4096, help="KV pages per rank (L1, the device pool) (default 4096)")
     s.add_argument("--host-pages", type=int, default=0,
                    help="L2 host pages per rank for HiCache (default 0: no L2)")
+    s.add_argument("--l3", default=None, metavar="SPEC",
+                   help="with --host-pages: a persistent page store behind L2, shared by every server and run with "
+                        "the same model and KV layout: file:DIR[,max_bytes=SIZE] or mooncake:HOST:PORT[,metadata=URL] "
+                        "(docs/cache.md); a restarted server serves the prefixes an earlier one stored")
     s.add_argument("--token-budget", type=int, default=2048,
                    help="prompt tokens computed per step, all requests together (default 2048)")
     s.add_argument("--chunk-tokens", type=int, default=None,
@@ -153,6 +158,14 @@ def spec_from_args(args):
             raise InputError("--cuda-graphs applies to one device on cuda (--cp 1 --device cuda)")
         if args.host_pages:
             raise InputError("--cuda-graphs does not take --host-pages (HiCache load-back waits on the host)")
+    if args.l3 is not None:
+        from cpgraph.runtime.storage import parse_spec
+
+        if not args.host_pages:
+            raise InputError("--l3 needs --host-pages N (the L3 sits behind the L2 host pool)")
+        if args.cuda_graphs:
+            raise InputError("--cuda-graphs does not take --l3 (L3 pages come back through the L2 load-back)")
+        parse_spec(args.l3)
     cfg = model_config(args.model)  # config.json only: bad names fail before any weight is read
     check_weights(args.model, args.weights, cfg)
     if args.kv_transfer:
@@ -162,7 +175,7 @@ def spec_from_args(args):
     return ServeSpec(model=str(args.model), served_name=args.served_model_name, host=args.host, port=args.port,
                      cp=args.cp, device=args.device, backend=backend, kv_format=args.kv_format, dtype=args.dtype,
                      weights=args.weights, page_size=args.page, num_pages=args.num_pages, host_pages=args.host_pages,
-                     token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
+                     l3=args.l3, token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
                      max_batch_requests=args.max_batch_requests, max_queue=args.max_queue,
                      max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout or None,
                      cuda_graphs=args.cuda_graphs, kv_transfer=args.kv_transfer, warmup_tokens=args.warmup_tokens,

@@ -122,10 +122,11 @@ class PrefillEngine:
                  rank: int = 0, cp_size: int = 1, host_pages: int = 0, host_layout: str = "layer_page_first",
                  write_policy: str = "write_through", group=None, control_group=None, src: int = 0,
                  scheduler: SchedulerConfig | None = None, request_timeout: float | None = None,
-                 max_prompt_tokens: int | None = None, transfer=None, clock: Callable[[], float] = time.monotonic):
+                 max_prompt_tokens: int | None = None, transfer=None, clock: Callable[[], float] = time.monotonic,
+                 l3=None):
         self.cache = CacheEngine(forward, model, num_pages=num_pages, kv_format=kv_format, page_size=page_size,
                                  rank=rank, cp_size=cp_size, host_pages=host_pages, host_layout=host_layout,
-                                 write_policy=write_policy, group=group)
+                                 write_policy=write_policy, group=group, l3=l3)
         self.model, self.page_size, self.rank, self.cp_size = model, page_size, rank, cp_size
         self.vocab = model.config.vocab_size
         self.group, self.control_group, self.src = group, control_group if control_group is not None else group, src
@@ -141,7 +142,7 @@ class PrefillEngine:
         self._cancels: list[tuple[int, str]] = []
         self._live: dict[int, _Live] = {}
         self._stopped = False
-        self.stats = _Stats()
+        self.stats = self._new_stats()
 
     # ---------------------------------------------------------------- public API
     @property
@@ -320,7 +321,14 @@ class PrefillEngine:
         if self.cp_size > 1:
             self._broadcast([("evict",)])
         self._apply(("evict",))
-        self.stats = _Stats()
+        self.stats = self._new_stats()
+
+    def close(self) -> None:
+        """Every rank, after the last step (leader: after :meth:`stop_followers`; followers: after
+        :meth:`follow` returns): store what L3 lacks, then release the store.  Idempotent; rank-local
+        (no collectives), and every rank reaches it after the same op sequence, so their trees agree."""
+        self.cache.flush_l3()
+        self.cache.close()
 
     def heartbeat(self) -> None:
         """Leader, idle: an empty step keeps the followers' broadcast inside its timeout."""
@@ -328,6 +336,12 @@ class PrefillEngine:
             self._broadcast([])
 
     # ----------------------------------------------------------------- internals
+    def _new_stats(self) -> _Stats:
+        stats = _Stats()
+        if self.cache.l3 is not None:  # the L3 tier is reported (also at 0) only where there is one
+            stats.cached_tokens["l3"] = 0
+        return stats
+
     def _pool_token_limit(self) -> int:
         # The longest prompt whose pages fit on every lane: binary search over lengths (owners are per length).
         lo, hi = 1, self.num_pages * self.cp_size * self.page_size
@@ -533,14 +547,12 @@ class PrefillEngine:
         full = len(live.tokens) // ps
         after = live.tokens[full * ps] if len(live.tokens) > full * ps else -1
         res = cache.tree.insert(live.key[: full * ps], pages[:full], owners[:full], matched_pages=live.prefix_len // ps,
-                                drop_host=cache._release_host, next_token=int(after))
+                                drop_host=cache._drop_stale_host, next_token=int(after))
         drop = np.concatenate([np.flatnonzero(~res.adopted), np.arange(full, pages.shape[0])])
         if drop.size:
             cache.device.free(pages[drop], owners[drop])
         live.own_pages, live.own_owners = [], []
-        new_nodes = res.new_nodes + res.revived_nodes
-        if cache.hicache is not None and cache.hicache.write_policy == "write_through":
-            cache.hicache.backup([n for n in new_nodes if n.device_pages is not None])
+        cache.backup_inserted([res.last_node])  # write_through: L2 copies of the whole path, then L3
         for node in live.match.locks:
             cache.tree.dec_lock(node)
         live.match.locks = []
@@ -563,6 +575,8 @@ class PrefillEngine:
         m = live.match
         hits = {"device": m.device_hit, "host": m.host_hit} if m is not None and status == FINISHED else \
             {"device": 0, "host": 0}
+        if self.cache.l3 is not None:
+            hits["l3"] = m.l3_hit if m is not None and status == FINISHED else 0
         admitted = live.t_admit if live.t_admit is not None else now
         res = RequestResult(status, len(live.tokens), cached_tokens=hits, chunks=live.chunks,
                             computed_tokens=len(live.tokens) - sum(hits.values()) if status == FINISHED else 0,
@@ -583,7 +597,7 @@ class PrefillEngine:
             s.prompt_tokens += len(live.tokens)
             s.computed_tokens += res.computed_tokens
             for tier, n in hits.items():
-                s.cached_tokens[tier] += n
+                s.cached_tokens[tier] = s.cached_tokens.get(tier, 0) + n
         if live.handle is not None:
             live.handle._finish(res)
         return live.handle

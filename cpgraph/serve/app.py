@@ -109,6 +109,10 @@ class PrefillServer:
                 self.engine.stop_followers()
             except Exception:  # noqa: BLE001
                 log.exception("cpgraph serve: could not stop the CP followers")
+            try:
+                self.engine.close()  # L3: store what it lacks, release the store (each follower does the same)
+            except Exception:  # noqa: BLE001
+                log.exception("cpgraph serve: could not flush the L3 page store")
 
     # ------------------------------------------------------------------------ app
     def make_app(self) -> web.Application:

@@ -46,6 +46,7 @@ class ServeSpec:
     page_size: int = 16
     num_pages: int = 4096
     host_pages: int = 0
+    l3: str | None = None  # an L3 page store spec (cpgraph.runtime.storage.parse_spec)
     token_budget: int = 2048
     chunk_tokens: int | None = None
     max_batch_requests: int = 64
@@ -105,7 +106,8 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
     engine = PrefillEngine(forward, model, num_pages=spec.num_pages, page_size=spec.page_size,
                            kv_format=spec.kv_format, rank=rank, cp_size=spec.cp, host_pages=spec.host_pages,
                            group=group, control_group=control_group, src=src, scheduler=sched,
-                           request_timeout=spec.request_timeout, max_prompt_tokens=spec.max_prompt_tokens)
+                           request_timeout=spec.request_timeout, max_prompt_tokens=spec.max_prompt_tokens,
+                           l3=spec.l3)
     if spec.cuda_graphs and spec.backend != "eager":
         for t in engine.cache.pools[0] + engine.cache.pools[1]:
             torch._dynamo.mark_static_address(t)  # a captured graph binds the pools' addresses
@@ -244,6 +246,7 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
             return server.serve_forever(on_listening=lambda url: _announce(f"{url} (CP group {gid}, ranks "
                                                                            f"{lay.group_ranks(gid)})"))
         engine.follow()
+        engine.close()  # the leader's engine thread does the same after stopping the followers
         return 0
     finally:
         dist.destroy_process_group()
