@@ -323,37 +323,7 @@ def weight_bytes(model) -> int:
 
 
 # ------------------------------------------------------------------ FLOPs
-def flops_parts(cfg, requests: int, extend: int, prefix: int = 0) -> dict[str, float]:
-    """Useful FLOPs of one forward by part (the formula in the module docstring); sums to ``forward_flops``."""
-    H, nh = cfg.hidden_size, cfg.num_attention_heads
-    ql, kl, r = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
-    ih, idim = cfg.index_n_heads, cfg.index_head_dim
-    windows = torch.arange(prefix + 1, prefix + extend + 1, dtype=torch.float64)
-    sum_window = float(windows.sum()) * requests
-    sum_sel = float(windows.clamp(max=cfg.index_topk).sum()) * requests
-    T = requests * extend
-    parts = dict.fromkeys(("projections", "sparse_mla", "indexer_projections", "indexer_logits", "dense_mlp",
-                           "router", "routed_experts", "shared_experts", "lm_head"), 0.0)  # fmt: skip
-    for i in range(cfg.num_hidden_layers):
-        parts["projections"] += T * 2 * (H * ql + ql * nh * (nope + r) + H * (kl + r) + nh * nope * kl
-                                         + nh * kl * v + nh * v * H)  # fmt: skip
-        parts["sparse_mla"] += sum_sel * 2 * nh * (kl + r + kl)
-        if cfg.indexer_types[i] == "full":
-            parts["indexer_projections"] += T * 2 * (ql * ih * idim + H * idim + H * ih)
-            parts["indexer_logits"] += sum_window * 2 * ih * idim
-        if cfg.mlp_layer_types[i] == "sparse":
-            I = cfg.moe_intermediate_size
-            parts["router"] += T * 2 * H * cfg.n_routed_experts
-            parts["routed_experts"] += T * cfg.num_experts_per_tok * 6 * H * I
-            parts["shared_experts"] += T * cfg.n_shared_experts * 6 * H * I
-        else:
-            parts["dense_mlp"] += T * 6 * H * cfg.intermediate_size
-    parts["lm_head"] = requests * 2 * H * cfg.vocab_size
-    total = vt.forward_flops(cfg, requests, extend, prefix)
-    if not math.isclose(sum(parts.values()), total, rel_tol=1e-9):
-        raise AssertionError(f"flops_parts sums to {sum(parts.values()):.6g}, forward_flops gives {total:.6g}")
-    return parts
+flops_parts = vt.flops_parts  # the one formula (benchmarks/vs_transformers.py)
 
 
 # FLOPs behind each profile category (where one maps): achieved TFLOP/s per category.

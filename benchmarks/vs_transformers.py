@@ -124,13 +124,13 @@ def dense_gemm_tflops(n: int = 8192, repeat: int = 10) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def forward_flops(cfg, requests: int, extend: int, prefix: int) -> float:
-    """Useful FLOPs of one extend forward (multiply-add = 2), the work a sparse prefill must do.
+def flops_parts(cfg, requests: int, extend: int, prefix: int = 0) -> dict[str, float]:
+    """Useful FLOPs of one forward by part (multiply-add = 2); :func:`forward_flops` is their sum.
 
     Per token and layer: the projections (MLA q/kv/absorb/W_UV/o, indexer q/k/weights), the
     indexer logits over the causal window, sparse MLA over ``min(topk, window)`` keys at
-    ``2 * H * (kv_lora + rope + kv_lora)`` per key, the dense MLP or the routed top-k experts
-    plus shared experts and router; plus one lm_head row per request.
+    ``2 * H * (kv_lora + rope + kv_lora)`` per key, the dense MLP or the router plus the routed
+    top-k and shared experts; plus one lm_head row per request.
     """
     H, nh = cfg.hidden_size, cfg.num_attention_heads
     ql, kl, r = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -140,19 +140,29 @@ def forward_flops(cfg, requests: int, extend: int, prefix: int) -> float:
     sum_window = float(windows.sum()) * requests
     sum_sel = float(windows.clamp(max=cfg.index_topk).sum()) * requests
     T = requests * extend
-    proj = 2 * (H * ql + ql * nh * (nope + r) + H * (kl + r) + nh * nope * kl + nh * kl * v + nh * v * H)
-    total = 0.0
+    parts = dict.fromkeys(("projections", "sparse_mla", "indexer_projections", "indexer_logits", "dense_mlp",
+                           "router", "routed_experts", "shared_experts", "lm_head"), 0.0)  # fmt: skip
     for i in range(cfg.num_hidden_layers):
-        total += T * proj + sum_sel * 2 * nh * (kl + r + kl)
+        parts["projections"] += T * 2 * (H * ql + ql * nh * (nope + r) + H * (kl + r) + nh * nope * kl
+                                         + nh * kl * v + nh * v * H)  # fmt: skip
+        parts["sparse_mla"] += sum_sel * 2 * nh * (kl + r + kl)
         if cfg.indexer_types[i] == "full":
-            total += T * 2 * (ql * ih * idim + H * idim + H * ih) + sum_window * 2 * ih * idim
+            parts["indexer_projections"] += T * 2 * (ql * ih * idim + H * idim + H * ih)
+            parts["indexer_logits"] += sum_window * 2 * ih * idim
         if cfg.mlp_layer_types[i] == "sparse":
             I = cfg.moe_intermediate_size
-            experts = cfg.num_experts_per_tok + cfg.n_shared_experts
-            total += T * (2 * H * cfg.n_routed_experts + experts * 6 * H * I)
+            parts["router"] += T * 2 * H * cfg.n_routed_experts
+            parts["routed_experts"] += T * cfg.num_experts_per_tok * 6 * H * I
+            parts["shared_experts"] += T * cfg.n_shared_experts * 6 * H * I
         else:
-            total += T * 6 * H * cfg.intermediate_size
-    return total + requests * 2 * H * cfg.vocab_size
+            parts["dense_mlp"] += T * 6 * H * cfg.intermediate_size
+    parts["lm_head"] = requests * 2 * H * cfg.vocab_size
+    return parts
+
+
+def forward_flops(cfg, requests: int, extend: int, prefix: int) -> float:
+    """Useful FLOPs of one extend forward (multiply-add = 2), the work a sparse prefill must do: :func:`flops_parts` summed."""
+    return sum(flops_parts(cfg, requests, extend, prefix).values())
 
 
 def agreement(ours: torch.Tensor, theirs: torch.Tensor) -> dict:
