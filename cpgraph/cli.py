@@ -17,7 +17,7 @@ import logging
 import re
 import sys
 
-from cpgraph.runtime.inputs import InputError, one_line, user_input
+from cpgraph.runtime.inputs import InputError, check_l3, one_line, user_input
 from cpgraph.runtime.inputs import builtin_prompts as _builtin_prompts
 from cpgraph.runtime.inputs import read_prompts as _read_prompts
 
@@ -131,13 +131,9 @@ def _check_run_flags(args: argparse.Namespace) -> None:
             raise InputError(f"{flag} applies to --cache --evict runs and --cache --l3 runs (it configures the L2 "
                              "host pool)")
     if args.l3 is not None:
-        from cpgraph.runtime.storage import parse_spec
-
         if not args.cache:
             raise InputError("--l3 applies to --cache runs (the L3 sits behind the L2 host pool)")
-        if args.cuda_graphs:
-            raise InputError("--cuda-graphs does not take --l3 (L3 pages come back through the L2 load-back)")
-        parse_spec(args.l3)
+        check_l3(args.l3, cuda_graphs=args.cuda_graphs)
     if args.cache:
         if args.prefix_lens is not None:
             raise InputError("--cache takes cached prefixes from the radix cache; drop --prefix-lens")

@@ -14,7 +14,7 @@ import ipaddress
 import logging
 import os
 
-from cpgraph.runtime.inputs import InputError, user_input
+from cpgraph.runtime.inputs import InputError, check_l3, user_input
 
 # A worked example per flag for docs/cli.md (cpgraph.cli_docs); every line must parse.
 EXAMPLES: dict[str | None, str] = {
@@ -159,13 +159,9 @@ def spec_from_args(args):
         if args.host_pages:
             raise InputError("--cuda-graphs does not take --host-pages (HiCache load-back waits on the host)")
     if args.l3 is not None:
-        from cpgraph.runtime.storage import parse_spec
-
         if not args.host_pages:
             raise InputError("--l3 needs --host-pages N (the L3 sits behind the L2 host pool)")
-        if args.cuda_graphs:
-            raise InputError("--cuda-graphs does not take --l3 (L3 pages come back through the L2 load-back)")
-        parse_spec(args.l3)
+        check_l3(args.l3, cuda_graphs=args.cuda_graphs)
     cfg = model_config(args.model)  # config.json only: bad names fail before any weight is read
     check_weights(args.model, args.weights, cfg)
     if args.kv_transfer:

@@ -288,6 +288,15 @@ def check_output_path(path: str | None, flag: str = "--json") -> None:
         raise InputError(f"{flag} {path!r}: directory {parent!r} is not writable")
 
 
+def check_l3(spec: str, *, cuda_graphs: bool) -> None:
+    """An ``--l3 SPEC`` (``run`` and ``serve`` alike): a valid store spec, and no CUDA graphs beside it."""
+    from cpgraph.runtime.storage import parse_spec
+
+    if cuda_graphs:
+        raise InputError("--cuda-graphs does not take --l3 (L3 pages come back through the L2 load-back)")
+    parse_spec(spec)
+
+
 def check_mooncake(module: str | None = None) -> None:
     """``cpgraph pd`` needs the Mooncake transfer engine: say so before spawning anything."""
     name = module or MOONCAKE_MODULE
