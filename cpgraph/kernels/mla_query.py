@@ -19,9 +19,6 @@ from cpgraph.ops.mla_query import rope_interleaved
 from .move import interpreting
 
 
-def mla_query_rope_reference(q_pe, cos, sin):
-    return rope_interleaved(q_pe, cos, sin)
-
 
 @triton.jit
 def _rope_into(q, cos, sin, out, M, H, q_stride_m, q_stride_h, q_off, o_stride_m, o_stride_h, o_off,
@@ -63,7 +60,7 @@ def mla_query(q, w_uk, cos, sin):
 
         ledger.fell_back("mla_query", q.device.type, "triton+reference-rope",
                          f"{R} RoPE lanes (the Triton RoPE takes a power of two pairs)", instead_of="triton")
-        out[:, :, L:] = mla_query_rope_reference(q[:, :, nope:], cos, sin)
+        out[:, :, L:] = rope_interleaved(q[:, :, nope:], cos, sin)
         return out
     bh = min(triton.next_power_of_2(H), 16)
     bm = 8 if not interpreting() else 16
