@@ -32,12 +32,14 @@ Two sections, both through the library's real paths (no stand-in copies):
 
 Models: ``tiny-glm5`` (default; eager, CPU or GPU), any bundled name or
 checkpoint dir, or ``kernel-shaped`` (DeepSeek-V3.2 layout with production
-attention shapes, 4 layers, bf16: ``benchmarks/cuda_graph_bench.py``), the
-model for the H200 figure::
+attention shapes, 4 layers, bf16: ``benchmarks/cuda_graph_bench.py``), or
+``production-shaped`` (two DeepSeek-V3.2 layers at the released sizes, one dense and one MoE,
+random bf16 weights drawn on the device: ``benchmarks/production_shape.py``), the model for the
+H200 figure (a prefix costs the compute of a real layer against the KV bytes of a real layer)::
 
     python benchmarks/l3_bench.py                       # CPU: store at 32K/128K, TTFT at 32K, tiny-glm5
-    python benchmarks/l3_bench.py --device cuda --model kernel-shaped --tokens 32768,131072 \\
-        --ttft-tokens 32768,131072 --dir /tmp/cpgraph-l3-bench --json l3_h200.json
+    python benchmarks/l3_bench.py --device cuda --model production-shaped --tokens 32768,131072 \\
+        --ttft-tokens 32768 --dir /tmp/cpgraph-l3-bench --json l3_h200.json
 
 Timings are wall clock around synchronised calls (``torch.cuda.synchronize``
 on CUDA), median of ``--reps``.
@@ -108,6 +110,11 @@ def load_model(name: str, device: str):
         from cuda_graph_bench import kernel_shaped_model
 
         return kernel_shaped_model(device)
+    if name == "production-shaped":  # two DeepSeek-V3.2 layers at the released sizes, drawn on the device
+        import torch
+        from production_shape import bench_config, build_random_model
+
+        return build_random_model(bench_config("v32", 2, device == "cpu"), torch.device(device)).eval()
     return from_pretrained(name, device=device).eval()
 
 
@@ -278,7 +285,7 @@ def bench_ttft(args, model, tokens: int, root: Path, mc) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--model", default="tiny-glm5", help="bundled name, checkpoint dir, or kernel-shaped")
+    ap.add_argument("--model", default="tiny-glm5", help="bundled name, checkpoint dir, kernel-shaped or production-shaped")
     ap.add_argument("--tokens", default="32768,131072", help="store section: cached prefix lengths")
     ap.add_argument("--ttft-tokens", default="32768", help="TTFT section: cached prefix lengths ('' skips it)")
     ap.add_argument("--page", type=int, default=64)

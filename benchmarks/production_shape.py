@@ -649,7 +649,8 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
     flops = sum(parts.values())
     row["forward_tflop"] = flops / 1e12
     row["flops_parts_tflop"] = {k: v / 1e12 for k, v in parts.items()}
-    plan = plan_memory(cfg, tokens=tokens, dtype=variant.weights, kv_format=variant.kv, page_size=page)
+    plan = plan_memory(cfg, tokens=tokens, dtype=variant.weights, kv_format=variant.kv, page_size=page,
+                       max_logits_bytes=model.kv_layout.max_logits_bytes)
     row["memory_plan"] = {"weights": plan.weight_bytes, "kv": plan.kv_bytes, "activation_peak": plan.activation_peak,
                           "peak_phase": plan.peak_phase, "total": plan.total_bytes}  # fmt: skip
     vt.reset_peak()  # return the previous case's cached blocks before asking what is free
@@ -847,6 +848,11 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=5, help="timed calls per case up to 32K tokens (fewer above)")
     ap.add_argument("--page", type=int, default=None, help="KV page size (default 64; 16 with --device cpu)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disable-passes", default="",
+                    help="comma list of CP passes to leave out (e.g. read_kv_in_place: FP8 KV then feeds "
+                         "sparse MLA an unpacked bf16 view instead of the records in place)")
+    ap.add_argument("--max-logits-mib", type=int, default=None,
+                    help="the indexer's score-chunk budget (KVLayout.max_logits_bytes; default the library's)")
     ap.add_argument("--backend", default=None, choices=("inductor", "aot_eager"),
                     help="cpgraph.compile backend (default inductor; aot_eager with --device cpu)")
     ap.add_argument("--compiled-activation-fraction", type=float, default=0.63,
@@ -960,7 +966,10 @@ def _run(args) -> int:
                 write_json(args.json, meta, results)
                 continue
             model.kv_layout = make_layout(model, variant.kv, args.page)
-            compiled = cp_compile(model, CPConfig(), backend=args.backend, dynamic=False)
+            if args.max_logits_mib is not None:
+                model.kv_layout = dataclasses.replace(model.kv_layout, max_logits_bytes=args.max_logits_mib << 20)
+            compiled = cp_compile(model, CPConfig(disabled_passes=tuple(_split(args.disable_passes))),
+                                  backend=args.backend, dynamic=False)
             vt.log(f"{model_key} variant {vname} (weights {variant.weights}, KV {variant.kv})")
             for case in cases:
                 vt.log(f" case {case.name} ({case.requests} x {case.extend}) [{time.perf_counter() - t_start:.0f} s]")

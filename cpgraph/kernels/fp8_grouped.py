@@ -78,6 +78,7 @@ def _grouped_gemm_kernel(
     N, K, E, C, stride_sam, stride_sak, stride_be, stride_bse, n_kb,
     EP: tl.constexpr, GATHER: tl.constexpr, BLOCK_N_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, OUT_KIND: tl.constexpr, LOOP_WHILE: tl.constexpr, SB_SCALAR: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):  # fmt: skip
     """``out[rows of one expert's tile, BN columns]`` = that expert's block-scaled FP8 product."""
     t = tl.program_id(0)
@@ -107,12 +108,12 @@ def _grouped_gemm_kernel(
             k0 = 0
             while k0 < K:
                 acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk,
-                              BK, SB_SCALAR)
+                              BK, SB_SCALAR, EVEN_K)
                 k0 += BK
         else:
             for k0 in range(0, K, BK):
                 acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk,
-                              BK, SB_SCALAR)
+                              BK, SB_SCALAR, EVEN_K)
         store_f32_as(out + rm64[:, None] * N + rn[None, :], acc, ok_m[:, None] & ok_n[None, :], OUT_KIND)
 
 
@@ -156,6 +157,7 @@ def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block
         n, k, e, rows, a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), b_scale.shape[2],
         EP=max(16, triton.next_power_of_2(e)), GATHER=a_rows is not None, BLOCK_N_Q=block_n, BM=bm, BN=bn,
         BK=block_k, OUT_KIND=_KINDS[out_dtype], LOOP_WHILE=interpreting(), SB_SCALAR=block_n % bn == 0,
+        EVEN_K=k % block_k == 0,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -134,7 +134,7 @@ def quantize_activations(x: torch.Tensor, group: int, pow2: bool, *, scales_colu
 # ------------------------------------------------------------ Triton GEMM
 @triton.jit
 def _k_step(acc, a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk, BK: tl.constexpr,
-            SB_SCALAR: tl.constexpr):
+            SB_SCALAR: tl.constexpr, EVEN_K: tl.constexpr = False):
     """One ``BK``-wide K block: e4m3 dot (fp32 result), times both block scales, added to ``acc``.
 
     ``SB_SCALAR``: the tile's ``BN`` columns lie in one weight-scale block
@@ -142,11 +142,19 @@ def _k_step(acc, a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n
     scales fold into one per-row factor: one FMA per accumulator element
     instead of two multiplies and an add (the scaling runs on the CUDA cores
     between tensor-core dots, so it is on the critical path).
+
+    ``EVEN_K``: ``BK`` divides ``K``, so no K mask: the loads' predicates are
+    per row only, which keeps the copies wide (V3.2's K of 7168 and 2048 are
+    multiples of 128).
     """
     kb = k0 // BK
-    ok_k = (k0 + rk) < K
-    av = tl.load(a_ptrs, mask=ok_m[:, None] & ok_k[None, :], other=0.0)
-    bv = tl.load(b_ptrs, mask=ok_n[:, None] & ok_k[None, :], other=0.0)
+    if EVEN_K:
+        av = tl.load(a_ptrs, mask=ok_m[:, None], other=0.0)
+        bv = tl.load(b_ptrs, mask=ok_n[:, None], other=0.0)
+    else:
+        ok_k = (k0 + rk) < K
+        av = tl.load(a_ptrs, mask=ok_m[:, None] & ok_k[None, :], other=0.0)
+        bv = tl.load(b_ptrs, mask=ok_n[:, None] & ok_k[None, :], other=0.0)
     part = tl.dot(av, tl.trans(bv))
     sa = tl.load(sa_ptrs + kb * stride_sak, mask=ok_m, other=0.0)
     if SB_SCALAR:
@@ -162,6 +170,7 @@ def _gemm_kernel(
     a, a_scale, b, b_scale, out, M, N, K, stride_sam, stride_sak, n_kb,
     BLOCK_N_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     OUT_KIND: tl.constexpr, LOOP_WHILE: tl.constexpr, SB_SCALAR: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):  # fmt: skip
     """``out[BM, BN]`` tile: per K block, an e4m3 tensor-core dot scaled in fp32 and accumulated."""
     pid = tl.program_id(0)
@@ -191,12 +200,12 @@ def _gemm_kernel(
         k0 = 0
         while k0 < K:
             acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk, BK,
-                          SB_SCALAR)
+                          SB_SCALAR, EVEN_K)
             k0 += BK
     else:
         for k0 in range(0, K, BK):
             acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk, BK,
-                          SB_SCALAR)
+                          SB_SCALAR, EVEN_K)
     dst = out + rm.to(tl.int64)[:, None] * N + rn[None, :]
     store_f32_as(dst, acc, ok_m[:, None] & ok_n[None, :], OUT_KIND)
 
@@ -230,7 +239,7 @@ def block_scaled_gemm(xq, xs, w, ws, block_n: int, block_k: int, out_dtype, *, t
     _gemm_kernel[grid](
         xq, xs, w.contiguous(), ws.contiguous(), dst, m, n, k, xs.stride(0), xs.stride(1), ws.shape[1],
         BLOCK_N_Q=block_n, BM=bm, BN=bn, BK=block_k, GROUP_M=group_m, OUT_KIND=_KINDS[out_dtype],
-        LOOP_WHILE=interpreting(), SB_SCALAR=block_n % bn == 0,
+        LOOP_WHILE=interpreting(), SB_SCALAR=block_n % bn == 0, EVEN_K=k % block_k == 0,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -34,7 +34,7 @@ class KVLayout:
 
     kv_format: str = "dense"
     page_size: int = 16
-    max_logits_bytes: int = 64 << 20
+    max_logits_bytes: int = 512 << 20
 
     def __post_init__(self):
         if self.kv_format not in KV_FORMATS:

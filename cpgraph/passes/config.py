@@ -34,6 +34,15 @@ class CPConfig:
     take per destination rank in the dispatch buffers; ``None`` is the
     worst case ``min(top_k, E/ep)``, with which no route can overflow.
     See ``docs/expert_parallel.md``.
+
+    ``fp8_records_in_place``: on one device, let ``read_kv_in_place`` point
+    sparse MLA at 656-byte FP8 records in the pool (``sparse_mla_fp8``).  Off
+    by default: the layer then keeps its view, unpacked to bf16 at copy rate
+    (``mla_fp8_unpack``), and the bf16 attention provider (FlashMLA) reads it.
+    Measured at DeepSeek-V3.2's sizes on one H200, 32K tokens, two layers:
+    FlashMLA over the unpacked view 57.6 ms of attention against 190 ms for
+    the Triton FP8 kernel in place (``benchmarks/production_shape.py
+    --variants fp8/fp8``; docs/passes.md).
     """
 
     group: object = None
@@ -43,6 +52,7 @@ class CPConfig:
     moe_modules: tuple[str, ...] = ("MoE",)
     ep: int = 1
     ep_capacity_slots: int | None = None
+    fp8_records_in_place: bool = False
     group_name: str = field(default="", init=False)
 
     def __post_init__(self):

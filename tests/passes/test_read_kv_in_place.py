@@ -167,12 +167,22 @@ v24 = getitem(v22, 1)""",
         assert torch.equal(pool_out, pool_ref)
 
     def test_fp8_records_use_sparse_mla_fp8(self):
-        ref, out, _, _, manager, graph = run_both(attend_fp8, layer_inputs(1, 2, 3, fp8=True))
+        ref, out, _, _, manager, graph = run_both(attend_fp8, layer_inputs(1, 2, 3, fp8=True),
+                                                  cp=CPConfig(fp8_records_in_place=True))
         d = delta(manager.history, "read_kv_in_place")
         assert d["cpgraph.sparse_mla"] == -1 and d["cpgraph.sparse_mla_fp8"] == 1
         assert d["cpgraph.mla_fp8_unpack"] == -1 and d["cpgraph.kv_compose"] == -1
         (attn,) = find_nodes(graph, "cpgraph.sparse_mla_fp8")
         assert attn.args[1].meta["val"].dtype == torch.uint8  # the pool itself, 656-byte records
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+    def test_fp8_records_keep_the_unpacked_view_by_default(self):
+        """Default: the bf16 attention provider reads the unpacked view; nothing of the layer is rewritten."""
+        ref, out, _, _, manager, graph = run_both(attend_fp8, layer_inputs(1, 2, 3, fp8=True))
+        assert delta(manager.history, "read_kv_in_place") == {}
+        counts = op_counts(graph)
+        assert counts["cpgraph.sparse_mla"] == 1 and counts["cpgraph.mla_fp8_unpack"] == 1
+        assert counts.get("cpgraph.sparse_mla_fp8", 0) == 0
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
     def test_reads_the_pool_value_current_at_the_attention(self):
@@ -319,11 +329,16 @@ def _model(fmt: str, dtype=torch.float32, device="cpu"):
 
 @functools.lru_cache(maxsize=None)
 def _model_run(fmt: str):
-    """``(model, compiled result, eager result, graph after the pipeline, history)`` for one KV format."""
+    """``(model, compiled result, eager result, graph after the pipeline, history)`` for one KV format.
+
+    FP8 records are read in place here (``fp8_records_in_place``), so the rewrite of both formats is
+    checked on the model; the default for FP8 (keep the view) is checked on the small graphs.
+    """
     model = _model(fmt)
     graphs = []
     capture = ("capture", lambda gm, c: graphs.append(copy.deepcopy(gm.graph)) or gm)
-    compiled = compile(model, CPConfig(), backend="aot_eager", passes=default_passes() + [capture])
+    compiled = compile(model, CPConfig(fp8_records_in_place=fmt == "fp8"), backend="aot_eager",
+                       passes=default_passes() + [capture])
     calls = []
 
     def forward(*a, **k):  # prefix pass eager, extend pass compiled: one compile
@@ -425,7 +440,8 @@ def test_gpu_compiled_forward_reads_in_place_and_matches_the_materialised_path(f
     """Inductor on CUDA, bf16 weights: the in-place graph vs the same graph with the pass disabled."""
     model = _model(fmt, torch.bfloat16, "cuda")
     results = {}
-    for name, cfg in [("in_place", CPConfig()), ("materialised", CPConfig(disabled_passes=("read_kv_in_place",)))]:
+    for name, cfg in [("in_place", CPConfig(fp8_records_in_place=True)),
+                      ("materialised", CPConfig(disabled_passes=("read_kv_in_place",)))]:
         torch._dynamo.reset()
         compiled = compile(model, cfg, backend="inductor")
         res = run_prefill(lambda *a, **k: compiled(*a, **k), model, PROMPTS, prefix_lens=PREFIX, page_size=PAGE,

@@ -27,6 +27,7 @@ TOL = 1e-4  # fp32 on the GPU (TF32 off by default), padded bucket shapes
 def test_cuda_graph_steps_replay_and_match_prefill_logits():
     from cpgraph.models import from_pretrained
     from cpgraph.models.prefill import make_layout, prefill_logits
+    from cpgraph.runtime.prefill_engine import _graph_replays
     from cpgraph.serve.app import PrefillServer
     from cpgraph.serve.node import ServeSpec, build_engine, make_forward
 
@@ -42,7 +43,8 @@ def test_cuda_graph_steps_replay_and_match_prefill_logits():
         prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 90, 200)]
         ref = torch.log_softmax(prefill_logits(model, prompts).float().cpu(), -1)
         for rnd in range(2):
-            engine.reset_cache()  # the same shapes again: no cache hit changes them
+            engine.reset_cache()  # the same shapes again: no cache hit changes them (and the counters restart)
+            replays0 = _graph_replays(engine.cache.forward)
             for p, r in zip(prompts, ref):
                 status, body = post(server.url, {"prompt": p, "logprobs": 5})
                 assert status == 200, body
@@ -50,9 +52,10 @@ def test_cuda_graph_steps_replay_and_match_prefill_logits():
                 assert choice["token_ids"] == [int(r.argmax())]
                 for tok, lp in logprob_table(choice).items():
                     assert abs(lp - float(r[tok])) <= TOL
-            if rnd == 0:
-                first = metric(get(server.url, "/metrics")[1], "cpgraph_steps_total", 'kind="graph"')
+        # Second pass: every step replayed a graph captured in the first (the counters restarted at the reset).
         page = get(server.url, "/metrics")[1]
-        assert metric(page, "cpgraph_steps_total", 'kind="graph"') - first == len(prompts)  # every step replayed
+        assert metric(page, "cpgraph_steps_total", 'kind="graph"') == len(prompts)
+        assert engine.snapshot()["steps"].get("eager", 0) == 0
+        assert _graph_replays(engine.cache.forward) - replays0 == len(prompts)
     finally:
         server.stop()
