@@ -495,6 +495,8 @@ class PrefillEngine:
                                                                 zip(tables, chunks)],
                                        self.cache.pools, self.model.device, rank=self.rank)
             logits = out.logits
+            if logits.is_cuda:  # the step's time is its GPU time; the first token is read from it right after
+                torch.cuda.current_stream(logits.device).synchronize()
             forward_s = time.perf_counter() - t0
         except Exception as exc:
             if self.cp_size > 1:

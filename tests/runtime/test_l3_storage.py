@@ -233,3 +233,26 @@ def test_batches_use_the_thread_pool(tmp_path):
     assert store.stats["get_bytes"] == 16 * 200 == store.stats["put_bytes"]
     store.close()
     assert np.all(store.exists(keys))
+
+
+def test_large_batches_run_on_the_thread_pool_in_order(tmp_path, monkeypatch):
+    """A batch over PARALLEL_MIN_BYTES is cut into one run per thread; outcomes keep the keys' order."""
+    monkeypatch.setattr(fs, "PARALLEL_MIN_BYTES", 1000)  # 9 objects of 200 B: the pooled path
+    store = FileStore(tmp_path, threads=3)
+    seen = set()
+    get_one = store._get_one
+
+    def spy(*a):
+        seen.add(threading.get_ident())
+        return get_one(*a)
+
+    monkeypatch.setattr(store, "_get_one", spy)
+    keys = [_key(i) for i in range(9)]
+    assert store.put([k for i, k in enumerate(keys) if i != 4], [_obj(i) for i in range(9) if i != 4]) == [True] * 8
+    outs = [_empty() for _ in keys]
+    got = store.get(keys, outs)
+    assert got == [i != 4 for i in range(9)]  # the one miss stays at its place
+    for i, out in enumerate(outs):
+        if i != 4:
+            assert all(torch.equal(a, b) for a, b in zip(out, _obj(i)))
+    assert seen and threading.get_ident() not in seen  # the pool's threads read, not the caller

@@ -71,8 +71,11 @@ VERSION = 1
 HEADER = struct.Struct("<8sIIQ32s")  # magic, version, crc, length, key
 HEADER_BYTES = 64
 SUBDIR = "cpgraph-l3-v1"
-# Batches of smaller objects run on the calling thread: per-object Python work would contend for the GIL.
-PARALLEL_MIN_BYTES = 256 << 10
+# A batch of fewer bytes runs on the calling thread (the hand-off would cost more than it saves).
+# Larger batches are cut into one contiguous run of objects per thread: a page of a production-shaped
+# layer pair is 180 KB, and a per-object threshold kept such batches on one thread (1.2 GB/s, the speed
+# of one thread's read + crc32, measured on an H200 host).
+PARALLEL_MIN_BYTES = 1 << 20
 # A read hit refreshes the file's mtime (the LRU clock) only when it is older than this: a hot page's
 # every read would otherwise be a metadata write.
 TOUCH_NS = 10 * 10**9
@@ -195,11 +198,14 @@ class FileStore(PageStore):
 
     def _map(self, fn, items, sizes):
         items = list(items)
-        if len(items) <= 1 or self._threads == 1 or sum(sizes) < PARALLEL_MIN_BYTES * len(items):
+        if len(items) <= 1 or self._threads == 1 or sum(sizes) < PARALLEL_MIN_BYTES:
             return [fn(*it) for it in items]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="cpgraph-l3-file")
-        return list(self._pool.map(lambda it: fn(*it), items))
+        runs = min(self._threads, len(items))
+        bounds = [len(items) * r // runs for r in range(runs + 1)]
+        parts = self._pool.map(lambda r: [fn(*it) for it in items[bounds[r]:bounds[r + 1]]], range(runs))
+        return [outcome for part in parts for outcome in part]
 
     # ------------------------------------------------------------- exists
     def exists(self, keys: Sequence[str]) -> list[bool]:
