@@ -36,6 +36,7 @@ def providers() -> dict:
     from . import indexer
     from . import fp8_linear
     from . import mla_query
+    from . import index_quant
 
     return {
         "take_rows": move.take_rows,
@@ -56,6 +57,9 @@ def providers() -> dict:
         **indexer.providers(),
         "fp8_block_linear": fp8_linear.fp8_block_linear,
         "mla_query": mla_query.mla_query,
+        "hadamard": index_quant.hadamard,
+        "index_k_quant": index_quant.index_k_quant,
+        "indexer_q_quant": index_quant.indexer_q_quant,
     }
 
 

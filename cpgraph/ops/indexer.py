@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_index_range, check_same_device, check_tensor, debug_enabled
+from .codecs import pow2_scale
 from .providers import select
 
 _INDEX = (torch.int64, torch.int32)
@@ -202,12 +203,19 @@ def _check_q_quant(q: Tensor, weights: Tensor) -> None:
 
 
 def ue8m0_scale(amax: Tensor) -> Tensor:
-    """Power-of-two scale ``2^ceil(log2(max(amax, 1e-4) / 448))`` (fp32).
+    """Power-of-two scale ``2^ceil(log2(max(amax, 1e-4) / 448))`` (fp32), computed exactly.
 
     A power of two is exact to divide by and is what the ue8m0 scale format
-    of the production kernels can represent.
+    of the production kernels can represent.  The exponent comes from the
+    bits (:func:`cpgraph.ops.codecs.pow2_scale`, the index-K codec's rule),
+    not from ``torch.log2``: an fp32 log2 rounds ``k + tiny`` to ``k`` for an
+    fp32 amax a few ulps above ``448 * 2**k``, which gave a scale one power of
+    two too small (the row's largest values clamped at 448), and its last bit
+    may differ between devices.  A non-finite amax is its own scale (``inf``
+    or NaN), as ``exp2(ceil(log2(.)))`` gives.
     """
-    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(1e-4) / E4M3_MAX)))
+    amax = amax.float()
+    return torch.where(torch.isfinite(amax), pow2_scale(amax), amax)
 
 
 def e4m3_bytes(x: Tensor, scale: Tensor) -> Tensor:
