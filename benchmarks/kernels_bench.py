@@ -66,6 +66,7 @@ try:
     from cpgraph.kernels import move
     from cpgraph.ops import materialize as omat
     from cpgraph.ops import codecs, paged, rows
+    from cpgraph.ops.providers import bind_providers
     from cpgraph.plan import plan_prefill
 except Exception:  # noqa: BLE001
     traceback.print_exc()
@@ -425,7 +426,7 @@ def main() -> None:
         _fail(f"--compare {args.compare}: no such file")
     if not torch.cuda.is_available():
         _fail("needs a CUDA device (the Triton kernels are GPU providers; CPU tests run under TRITON_INTERPRET=1)")
-    if not kernels.REGISTERED:
+    if not bind_providers("cuda"):
         _fail("cpgraph.kernels registered no providers (see the log for why)")
     tokens = args.tokens or ([8192] if args.quick else [32 * 1024, 128 * 1024])
     bench = Bench(warmup=5 if args.quick else 25, rep=20 if args.quick else 100)

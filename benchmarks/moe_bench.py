@@ -74,7 +74,6 @@ TILES = [None, (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 4), (128, 128, 8,
 
 
 def fp8_main(args) -> None:
-    import cpgraph.kernels  # noqa: F401
     from cpgraph.kernels.fp8_grouped import grouped_gemm
     from cpgraph.kernels.fp8_linear import quantize_activations
     from cpgraph.ops.moe import dispatch_plan
@@ -155,9 +154,10 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if args.fp8:
         return fp8_main(args)
-    import cpgraph.kernels  # noqa: F401
     from cpgraph.ops.moe import moe_experts_reference
-    from cpgraph.ops.providers import active_provider
+    from cpgraph.ops.providers import active_provider, bind_providers
+
+    bind_providers("cuda")
 
     ops = torch.ops.cpgraph
     dev = torch.device("cuda")

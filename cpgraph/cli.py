@@ -677,8 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cp", type=int, default=None,
                    help="context-parallel run on N ranks (compiled with the CP passes), compared with one device")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu, or cuda: the model on a GPU, cpgraph ops on the CUDA providers cpgraph.kernels "
-                        "registers (the run prints, per op, which implementation computed how many calls and why); "
+                   help="cpu, or cuda: the model on a GPU, cpgraph ops on the CUDA providers (cpgraph.kernels, "
+                        "bound on first use; the run prints, per op, which implementation computed how many calls and why); "
                         "with --cp: cpu = gloo ranks, cuda = NCCL with one rank per GPU (default cpu)")
     r.add_argument("--backend", choices=("inductor", "aot_eager"), default=None,
                    help="with --cp: torch.compile backend for the CP forward (default inductor; aot_eager skips "

@@ -131,7 +131,7 @@ model or a checkpoint without tokenizer files takes token ids only (one-line err
 `cpgraph run` also reports the bytes of weights each rank holds (parameters + buffers of its model,
 so only its own experts under expert parallelism) next to its KV bytes, and once which provider
 computed each cpgraph op that ran (`reference` = the torch reference; on `cuda` the Triton/FlashMLA
-providers that importing `cpgraph.kernels` registers; `CPGRAPH_PROVIDERS=reference` forces the
+providers, bound on the first CUDA op call (docs/ops.md); `CPGRAPH_PROVIDERS=reference` forces the
 references).
 """
 

@@ -14,7 +14,13 @@ from cpgraph.ops import providers
 
 @contextlib.contextmanager
 def registry_restored(*device_types: str):
-    """On exit, the registrations of ``device_types`` are exactly what they were on entry."""
+    """On exit, the registrations of ``device_types`` are exactly what they were on entry.
+
+    Each device is bound first (``bind_providers``): "what was there" is then its providers, so a
+    device whose first use falls inside the block is not left bound with its registry emptied.
+    """
+    for d in device_types:
+        providers.bind_providers(d)
     saved = {op: {d: by_dev[d] for d in device_types if d in by_dev} for op, by_dev in providers._PROVIDERS.items()}
     try:
         yield

@@ -1,32 +1,44 @@
-"""cpgraph's Triton kernels for CP data movement, registered as op providers.
+"""cpgraph's Triton kernels for CP data movement, bound as op providers.
 
-Importing this package registers every kernel for device ``"cuda"``
-through :func:`cpgraph.ops.providers.register_provider`; the custom ops stay
-the wrappers (their metadata checks and fake rules are unchanged), and
+Importing this package registers nothing and imports no kernel (nor
+Triton).  :func:`bind` registers every kernel for a device through
+:func:`cpgraph.ops.providers.register_provider`; the op registry runs it on
+the device's first use or from :func:`cpgraph.ops.bind_providers`
+(docs/ops.md, "Provider binding").  The custom ops stay the wrappers (their
+metadata checks and fake rules are unchanged), and
 ``CPGRAPH_PROVIDERS=reference`` still forces the torch references.  On a
-machine without Triton the import logs why and registers nothing, so the
-references keep working.
+machine without Triton the binding logs why (WARNING, once) and registers
+nothing, so the references keep working and the provider report says
+``reference``.
 
 Providers are plain functions that launch kernels (no ``triton_op``): the
 same launchers then run on CPU tensors under ``TRITON_INTERPRET=1``, which
-is how CI tests them.  See ``docs/kernels.md``.
+is how CI tests them (:func:`register_triton_providers` with ``("cpu",)``).
+See ``docs/kernels.md``.
 """
 
 from __future__ import annotations
 
 import logging
 
+from .provider_name import PROVIDER_NAME
+
 log = logging.getLogger("cpgraph.kernels")
 
-PROVIDER_NAME = "triton"
+_TRITON_CHECKED = False
+_IMPORT_ERROR: Exception | None = None
 
-try:
-    import triton  # noqa: F401
-except Exception as exc:  # pragma: no cover - triton is a dependency, but be explicit
-    triton = None
-    _IMPORT_ERROR: Exception | None = exc
-else:
-    _IMPORT_ERROR = None
+
+def triton_import_error() -> Exception | None:
+    """Why Triton does not import (``None`` if it does); tried once per process."""
+    global _TRITON_CHECKED, _IMPORT_ERROR
+    if not _TRITON_CHECKED:
+        _TRITON_CHECKED = True
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:  # pragma: no cover - triton is a dependency, but be explicit
+            _IMPORT_ERROR = exc
+    return _IMPORT_ERROR
 
 
 def providers() -> dict:
@@ -63,17 +75,30 @@ def providers() -> dict:
     }
 
 
+def bind(device_type: str) -> list[str]:
+    """Register this package's providers for ``device_type``; returns the Triton op names registered.
+
+    What :func:`cpgraph.ops.bind_providers` (and a device's first use) runs;
+    call that, not this: the registry then knows the device is bound.
+    """
+    return register_triton_providers((device_type,))
+
+
 def register_triton_providers(device_types=("cuda",)) -> list[str]:
     """Register every Triton kernel for ``device_types``; returns the op names registered.
 
-    ``device_types=("cpu",)`` is only meaningful under ``TRITON_INTERPRET=1``
-    (tests use it to drive the ops end to end through the interpreter).
+    On ``"cuda"`` also the P2P block rerange (:func:`.p2p.register_block_provider`)
+    and FlashMLA where it imports.  ``device_types=("cpu",)`` is only
+    meaningful under ``TRITON_INTERPRET=1`` (tests use it to drive the ops
+    end to end through the interpreter).
     """
-    if _IMPORT_ERROR is not None:
-        log.warning("cpgraph.kernels: triton unavailable (%s); ops keep their torch references", _IMPORT_ERROR)
+    error = triton_import_error()
+    if error is not None:
+        log.warning("cpgraph.kernels: triton unavailable (%s); ops keep their torch references", error)
         return []
-    import cpgraph.ops  # noqa: F401  (the ops must exist before their providers)
     from cpgraph.ops.providers import register_provider
+
+    from . import p2p
 
     table = providers()
     for device_type in device_types:
@@ -81,6 +106,8 @@ def register_triton_providers(device_types=("cuda",)) -> list[str]:
             register_provider(op, device_type, PROVIDER_NAME, fn)
     register_rerange_p2p(device_types)
     register_sparse_mla(device_types)
+    if "cuda" in device_types:
+        p2p.register_block_provider(("cuda",))
     return list(table)
 
 
@@ -137,6 +164,5 @@ def unregister_sparse_mla(device_types=("cuda",)) -> None:
         unregister_provider("sparse_mla_fp8", device_type)
 
 
-REGISTERED = register_triton_providers()
-
-__all__ = ["register_sparse_mla", "unregister_sparse_mla", "register_triton_providers", "register_rerange_p2p", "unregister_triton_providers", "providers", "PROVIDER_NAME", "REGISTERED"]
+__all__ = ["bind", "register_sparse_mla", "unregister_sparse_mla", "register_triton_providers", "register_rerange_p2p",
+           "unregister_triton_providers", "providers", "triton_import_error", "PROVIDER_NAME"]

@@ -43,7 +43,7 @@ import torch
 
 from cpgraph.ops import ledger
 
-from . import PROVIDER_NAME as TRITON  # the refused calls' implementation
+from .provider_name import PROVIDER_NAME as TRITON  # the refused calls' implementation
 
 log = logging.getLogger("cpgraph.kernels")
 

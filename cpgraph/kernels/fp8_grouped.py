@@ -41,7 +41,7 @@ from cpgraph.ops.fp8_linear import ceil_div
 from cpgraph.ops.moe import dispatch_plan, moe_experts_fp8_reference
 from cpgraph.ops.providers import REFERENCE
 
-from . import PROVIDER_NAME
+from .provider_name import PROVIDER_NAME
 from ._bits import KIND_BF16, KIND_F16, KIND_F32, load_f32, store_f32_as
 from ._launch import interpreting
 from .fp8_linear import _k_step, quantize_activations, quantize_group, store_e4m3

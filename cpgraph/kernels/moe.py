@@ -31,7 +31,7 @@ from cpgraph.ops import ledger
 from cpgraph.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_reference
 from cpgraph.ops.providers import REFERENCE
 
-from . import PROVIDER_NAME
+from .provider_name import PROVIDER_NAME
 from ._launch import Launcher, interpreting
 
 

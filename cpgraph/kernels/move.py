@@ -398,7 +398,7 @@ def paged_store(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
         from cpgraph.ops.paged import paged_store_reference
         from cpgraph.ops.providers import REFERENCE
 
-        from . import PROVIDER_NAME
+        from .provider_name import PROVIDER_NAME
 
         ledger.fell_back("paged_store", pool.device.type, REFERENCE, "a pool whose rows are not contiguous",
                          instead_of=PROVIDER_NAME)

@@ -24,14 +24,15 @@ Two entry points:
   device and the call can be captured in a CUDA graph); peers' blocks land
   in a staging buffer laid out like the all-gather, this rank's rows are
   placed on a side stream while the transfer runs, the peers' rows by one
-  gather pass after it.  Registered on import for ``cuda``.
+  gather pass after it.  Registered for ``cuda`` when the CUDA providers
+  bind (:func:`cpgraph.kernels.register_triton_providers`).
 * the run-based path below (:func:`rerange_p2p`), which also skips dummy
   rows and receives straight into the output where a peer's rows form one
   run, but needs the host runs of each batch.
 
 Selection of the run-based path: an optional provider of ``cpgraph::cp_rerange`` on CUDA,
-registered only when ``CPGRAPH_RERANGE=p2p`` (``cpgraph.kernels`` does it at
-import; the provider registry logs the choice once).  The provider needs
+registered only when ``CPGRAPH_RERANGE=p2p`` (``cpgraph.kernels`` does it when
+the CUDA providers bind; the provider registry logs the choice once).  The provider needs
 the runs of the ``rerange_index`` it is given: attach them once per batch
 with :func:`attach_runs`; a call without attached runs takes the all-gather
 path (counted as ``reference`` with the reason in the provider report, a
@@ -407,8 +408,7 @@ def cp_rerange_p2p_blocks(
 
 def register_block_provider(device_types=("cuda",)) -> None:
     """Make :func:`cp_rerange_p2p_blocks` the provider of ``cpgraph::cp_rerange_p2p`` on ``device_types``."""
-    import cpgraph.ops  # noqa: F401  (the op must exist before its provider)
-    from cpgraph.ops.providers import register_provider
+    from cpgraph.ops.providers import register_provider  # (imports cpgraph.ops: the op exists first)
 
     for device_type in device_types:
         register_provider("cp_rerange_p2p", device_type, BLOCK_PROVIDER_NAME, cp_rerange_p2p_blocks)
@@ -416,5 +416,3 @@ def register_block_provider(device_types=("cuda",)) -> None:
 
 BLOCK_PROVIDER_NAME = "p2p_blocks"
 ALL_GATHER = "all_gather"  # the report's name for cp_rerange_decomposed run by the P2P providers
-# Registered on import: ``cpgraph.kernels`` imports this module when it registers its providers.
-register_block_provider()

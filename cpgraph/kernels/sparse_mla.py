@@ -52,7 +52,7 @@ import triton.language as tl
 from cpgraph.ops import ledger
 from cpgraph.ops.providers import REFERENCE
 
-from . import PROVIDER_NAME
+from .provider_name import PROVIDER_NAME
 from ._bits import e4m3_to_f32_fast
 from ._launch import interpreting
 

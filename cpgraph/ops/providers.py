@@ -12,12 +12,30 @@ report those counts, not the registry.
 ``CPGRAPH_PROVIDERS=reference`` forces the reference everywhere (useful when
 bisecting a numerical difference); ``CPGRAPH_PROVIDERS=op_a:reference,...``
 forces it for the named ops only.
+
+Binding.  ``import cpgraph.ops`` registers the ops and their fake rules and
+nothing else: no Triton, no kernel module.  A device's providers are bound
+the first time its registry is used -- :func:`select` (an op runs on a
+tensor of that device), :func:`active_provider`, or a (un)registration for
+it -- or when :func:`bind_providers` is called, and then never again in the
+process.  Why first use and not import: the op library is imported by
+every process that builds a graph or a plan (the CLI, gloo ranks, CPU
+tests), most of which never run a CUDA kernel, and importing the kernels
+from ``cpgraph.ops`` made ``ops`` and ``kernels`` import each other.  Why
+bind before a registration too: a provider registered by hand (a test, a
+bisection) is then never overwritten by a later first-use binding.  Only
+``"cuda"`` has providers to bind (:mod:`cpgraph.kernels`); other devices
+keep the references unless providers are registered for them.  Binding
+imports modules and registers functions: no device work, so a first use
+inside a compiled forward or a CUDA-graph warm-up adds no host sync (the
+CUDA-graph runner binds before it warms up anyway).  See ``docs/ops.md``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Callable
 
 from . import ledger
@@ -32,19 +50,64 @@ _LOGGED: set[tuple[str, str]] = set()
 # (op, device type) -> the counted wrapper select last handed out (rebuilt when the choice changes)
 _BOUND: dict[tuple[str, str], ledger.Counted] = {}
 
+# Device types whose providers :mod:`cpgraph.kernels` binds on first use.
+BINDABLE = ("cuda",)
+_BOUND_DEVICES: set[str] = set()  # devices whose binding finished (or that have nothing to bind)
+_BINDING: set[str] = set()  # devices whose binder is running (its own registrations must not re-enter it)
+_BIND_LOCK = threading.RLock()
+
+
+def _ensure_bound(device_type: str) -> None:
+    """Run ``device_type``'s binder once per process (the fast path is one set lookup)."""
+    if device_type in _BOUND_DEVICES:
+        return
+    if device_type not in BINDABLE:
+        _BOUND_DEVICES.add(device_type)
+        return
+    with _BIND_LOCK:  # another thread's first use waits for the binding, never sees half of it
+        if device_type in _BOUND_DEVICES or device_type in _BINDING:
+            return
+        _BINDING.add(device_type)
+        try:
+            # The one import from ops up to kernels, made at first use (tests/test_imports.py names it).
+            from cpgraph import kernels
+
+            kernels.bind(device_type)
+        finally:
+            _BINDING.discard(device_type)
+        _BOUND_DEVICES.add(device_type)  # not reached if the binder raised: the next use raises again
+        log.info("cpgraph.ops: %s providers bound", device_type)
+
+
+def bind_providers(device_type: str = "cuda") -> dict[str, str]:
+    """Bind ``device_type``'s providers now (idempotent); returns ``{op: provider}`` registered for it.
+
+    The explicit form of the first-use binding: call it before anything
+    that must not import or register code on its first op call (a CUDA-graph
+    capture, a timed region).  The result is the registry (what *may*
+    run); :func:`calls` and :func:`selected` say what computed.  A device
+    without a binder returns what was registered for it by hand.
+    """
+    _ensure_bound(device_type)
+    return {op: by_dev[device_type][0] for op, by_dev in sorted(_PROVIDERS.items()) if device_type in by_dev}
+
 
 def register_provider(op: str, device_type: str, name: str, fn: Callable) -> None:
     """Bind ``fn`` as the implementation of cpgraph op ``op`` on ``device_type``.
 
     ``fn`` takes the op's arguments and returns exactly what the reference
-    returns (bit-exact where the op's docstring says so).
+    returns (bit-exact where the op's docstring says so).  The device's
+    providers are bound first, so a first-use binding never overwrites it.
     """
+    _ensure_bound(device_type)
     _PROVIDERS.setdefault(op, {})[device_type] = (name, fn)
     _LOGGED.discard((op, device_type))
     ledger.forget(op, device_type)
 
 
 def unregister_provider(op: str, device_type: str) -> None:
+    """Give ``op`` on ``device_type`` back to its reference (the device is bound first, as for registration)."""
+    _ensure_bound(device_type)
     _PROVIDERS.get(op, {}).pop(device_type, None)
     _LOGGED.discard((op, device_type))
     ledger.forget(op, device_type)
@@ -68,8 +131,15 @@ def select(op: str, device_type: str, reference: Callable) -> Callable:
 
     Call the result at once, inside the op body: the count goes to the
     implementation that computed the call (:mod:`cpgraph.ops.ledger`).
+    The first call for a device binds its providers (unless the op is
+    forced to the reference, which needs no kernel).
     """
-    entry = None if _forced_reference(op) else _PROVIDERS.get(op, {}).get(device_type)
+    if _forced_reference(op):
+        entry = None
+    else:
+        if device_type not in _BOUND_DEVICES:
+            _ensure_bound(device_type)
+        entry = _PROVIDERS.get(op, {}).get(device_type)
     name, fn = entry if entry is not None else (REFERENCE, reference)
     key = (op, device_type)
     bound = _BOUND.get(key)
@@ -111,5 +181,6 @@ def active_provider(op: str, device_type: str) -> str:
     """Name of the provider ``select`` would hand out now (registration; :func:`calls` says what computed)."""
     if _forced_reference(op):
         return REFERENCE
+    _ensure_bound(device_type)
     entry = _PROVIDERS.get(op, {}).get(device_type)
     return entry[0] if entry else REFERENCE

@@ -42,6 +42,8 @@ import torch.fx.experimental._config as fx_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor import config as inductor_config
 
+from cpgraph.ops.providers import bind_providers
+
 from .config import CPConfig
 from .manager import CPPassManager, PassFn
 from .pipeline import default_passes
@@ -124,6 +126,7 @@ def compile(
         options = {"post_grad_custom_pre_pass": manager}
         if mode == "reduce-overhead":
             options["triton.cudagraphs"] = True
+            bind_providers("cuda")  # CUDA graphs: the providers are bound before anything is recorded
         elif mode not in (None, "default"):
             raise ValueError(f"cpgraph.compile: unsupported mode {mode!r} (use None or 'reduce-overhead')")
         compiled = torch.compile(model, backend="inductor", options=options, dynamic=dynamic, fullgraph=fullgraph)

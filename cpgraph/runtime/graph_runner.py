@@ -62,6 +62,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from cpgraph.ops.providers import bind_providers
 from cpgraph.plan import CPPlan, GatherLayout, plan_prefill
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,7 @@ class GraphRunner:
 
     def _prepare(self, bucket: Bucket, static: _Static, device) -> None:
         """First use of a bucket: warm up (compile, autotune) on the static buffers, then capture."""
+        bind_providers(torch.device(device).type)  # before warm-up and capture, not at their first op call
         t0 = time.perf_counter()
         if not self._capturing(device):
             self.forward(static.ids, static.meta)

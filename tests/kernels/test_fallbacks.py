@@ -257,8 +257,7 @@ def test_gpu_flash_mla_refusals_count_triton(monkeypatch):
 @needs_gpu
 @pytest.mark.gpu
 def test_gpu_grouped_moe_counts_the_reference_for_fp32():
-    import cpgraph.kernels  # noqa: F401  (registers the CUDA providers)
-
+    providers.bind_providers("cuda")
     x, ids, w, gu, d = _moe(H=64, I=32, dtype=torch.float32, device="cuda")
     ledger.forget("moe_experts", "cuda")
     ops.moe_experts(x, ids, w, gu, d)
@@ -315,8 +314,7 @@ def test_gpu_p2p_blocks_on_a_group_that_is_not_nccl_count_the_all_gather(caplog,
 @needs_gpu
 @pytest.mark.gpu
 def test_gpu_paged_store_into_a_pool_with_strided_rows_counts_the_reference():
-    import cpgraph.kernels  # noqa: F401
-
+    providers.bind_providers("cuda")
     pool = torch.zeros(4, 9, device="cuda").t()
     ledger.forget("paged_store", "cuda")
     ops.paged_store(pool, torch.randn(3, 4, device="cuda"), torch.tensor([7, -1, 2], device="cuda"))
@@ -327,8 +325,7 @@ def test_gpu_paged_store_into_a_pool_with_strided_rows_counts_the_reference():
 @pytest.mark.gpu
 def test_gpu_graph_replays_are_not_counted():
     """What docs/kernels.md states: counts cover the warm-up and the capture; a replay runs no Python."""
-    import cpgraph.kernels  # noqa: F401
-
+    providers.bind_providers("cuda")
     x, index = torch.randn(64, 8, device="cuda"), torch.arange(32, device="cuda")
     ledger.forget("take_rows", "cuda")
     ops.take_rows(x, index)  # warm-up outside the capture

@@ -231,8 +231,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @cuda
 @pytest.mark.parametrize("num_valid", [None, 3000])
 def test_gpu_skewed_routing_matches_dense(num_valid):
-    import cpgraph.kernels  # noqa: F401  (registers the CUDA provider)
-    from cpgraph.ops.providers import active_provider
+    from cpgraph.ops.providers import active_provider, bind_providers
+
+    bind_providers("cuda")
 
     assert active_provider("moe_experts", "cuda") == "triton"
     # Expert 3 gets every row's first slot: one group holds M of the 2M pairs.
@@ -248,8 +249,7 @@ def test_gpu_skewed_routing_matches_dense(num_valid):
 
 @cuda
 def test_gpu_cuda_graph_replay_follows_new_routing():
-    import cpgraph.kernels  # noqa: F401
-
+    cpgraph.ops.bind_providers("cuda")
     x, ids, w, gu, d = make_inputs(M=512, H=128, I=64, E=8, k=2, device="cuda")
     x, gu, d = x.bfloat16(), gu.bfloat16(), d.bfloat16()
     nv = torch.tensor([400], device="cuda")

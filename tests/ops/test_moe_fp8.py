@@ -230,8 +230,7 @@ def test_swiglu_quantize_matches_the_recipe_on_routed_rows():
 @needs_gpu
 @pytest.mark.parametrize("num_valid", [None, 1500])
 def test_gpu_fp8_experts_match_reference_and_bf16(num_valid):
-    import cpgraph.kernels  # noqa: F401  (registers the CUDA provider)
-
+    cpgraph.ops.bind_providers("cuda")
     block = (128, 128)
     x, ids, w, gu, d, gus, ds = make_inputs(M=2048, H=1024, I=256, E=16, k=4, dtype=torch.bfloat16, skew=3,
                                             device="cuda")
@@ -249,8 +248,7 @@ def test_gpu_fp8_experts_match_reference_and_bf16(num_valid):
 
 @needs_gpu
 def test_gpu_fp8_experts_replay_in_cuda_graph_with_new_routing():
-    import cpgraph.kernels  # noqa: F401
-
+    cpgraph.ops.bind_providers("cuda")
     x, ids, w, gu, d, gus, ds = make_inputs(M=512, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda")
     nv = torch.tensor([400], device="cuda")
     ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)  # compile outside the capture
