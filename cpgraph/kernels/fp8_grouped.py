@@ -20,7 +20,7 @@ order of fp32 sums) with three kernels and no host sync:
 3. :func:`swiglu_quantize` -- ``silu(gate) * up`` in fp32 and its
    per-row-per-``block_k`` quantisation in one pass, only for the routed rows;
 4. :func:`grouped_gemm` again for ``down``, then the weighted combine of
-   :mod:`.moe`.
+   :mod:`.moe_combine`.
 
 Static shapes: the grid covers the worst case (``ceil(C / BM) + E`` row
 tiles for ``C = M * top_k`` dispatched rows) and programs past the routed
@@ -45,7 +45,7 @@ from .provider_name import PROVIDER_NAME
 from ._bits import KIND_BF16, KIND_F16, KIND_F32, load_f32, store_f32_as
 from ._launch import interpreting
 from .fp8_linear import _k_step, quantize_activations, quantize_group, store_e4m3
-from .moe import combine
+from .moe_combine import combine
 
 _KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
 

@@ -31,20 +31,13 @@ multiplied by a stride), so ``row * stride`` past 2**31 bytes is safe.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
-
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def interpreting() -> bool:
-    """True under ``TRITON_INTERPRET=1`` (CPU tensors, cost per program)."""
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+from . import segments
+from ._launch import Launcher, interpreting
+from .addressing import WORD_DTYPES, Layout, byte_rows, layout_fits, layout_rows, word_size
 
 
 @triton.jit
@@ -106,55 +99,6 @@ def _move_rows_kernel(
     tl.store(dst + dst_off[:, None] + cols[None, :], vals, mask=store_ok[:, None] & col_ok[None, :])
 
 
-class Layout:
-    """Byte addressing of rows in a buffer: ``(r // page) * page_stride + (r % page) * tok_stride + base``."""
-
-    __slots__ = ("page", "page_stride", "tok_stride", "base")
-
-    def __init__(self, page_stride: int, *, page: int = 1, tok_stride: int = 0, base: int = 0):
-        self.page, self.page_stride, self.tok_stride, self.base = page, page_stride, tok_stride, base
-
-    def quantities(self) -> tuple[int, ...]:
-        return (self.page_stride, self.tok_stride, self.base)
-
-    def in_words(self, w: int) -> tuple[int, int, int, int]:
-        return self.page, self.page_stride // w, self.tok_stride // w, self.base // w
-
-
-def byte_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t [N, ...]`` as ``uint8 [N, row_bytes]`` sharing memory (rows may be strided).
-
-    The trailing dims must be contiguous within a row; if they are not, a
-    contiguous copy is taken (never the case for the ops' own call sites).
-    """
-    n = t.shape[0]
-    if n > 1 and t.dim() == 2 and t.stride(1) == 1:  # the common case, without the general walk below
-        return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-    expected, ok = 1, True
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != expected:
-            ok = False
-        expected *= size
-    if not ok:
-        t = t.contiguous()
-    width = 1
-    for size in t.shape[1:]:
-        width *= size
-    rows = t.as_strided((n, width), (t.stride(0) if n > 1 else width, 1))
-    return rows.view(torch.uint8)
-
-
-def word_size(*quantities: int, tensors=()) -> int:
-    """Largest word (8/4/2/1 bytes) dividing every byte quantity and tensor alignment."""
-    for w in (8, 4, 2, 1):
-        if all(q % w == 0 for q in quantities) and all(
-            t.data_ptr() % w == 0 and t.storage_offset() % w == 0 and t.stride(0) % w == 0 and t.shape[-1] % w == 0
-            for t in tensors
-        ):
-            return w
-    return 1
-
-
 def _tile(width: int, word: int, num_rows: int) -> tuple[int, int, int]:
     """``(ROWS, BLOCK_W, num_warps)``: about 16 KB per program on GPU, much more when interpreting."""
     cap = max(1, 4096 // word)  # widest column block: 4 KB
@@ -198,8 +142,6 @@ def move_rows(
     """
     if num_rows == 0 or width_bytes == 0:
         return
-    from . import segments
-
     if skip is None and dst_layout.page == 1 and dst_layout.tok_stride == 0 and segments.fits(width_bytes):
         # Narrow rows: whole rows per program in power-of-two pieces (no masked lanes); it checks extents itself.
         seg = segments.Segment(src, dst, src_layout, dst_layout.page_stride, width_bytes, dst_base=dst_layout.base)
@@ -207,7 +149,7 @@ def move_rows(
         return
     bound = check_extents(src, dst, index, num_rows, width_bytes, src_layout, dst_layout, gather=gather)
     w = word_size(width_bytes, *src_layout.quantities(), *dst_layout.quantities(), tensors=(src, dst))
-    word = _WORD_DTYPES[w]
+    word = WORD_DTYPES[w]
     src_w, dst_w = src.view(word), dst.view(word)
     width = width_bytes // w
     rows, block_w, warps = _tile(width, w, num_rows)
@@ -224,23 +166,6 @@ def move_rows(
 
 
 _MOVE_ROWS = Launcher(_move_rows_kernel)
-
-
-def layout_rows(t: torch.Tensor, at: Layout) -> int:
-    """Rows of ``t`` (2-D byte buffer) addressable through ``at``: ``pages * page``."""
-    return t.shape[0] * at.page
-
-
-def layout_fits(t: torch.Tensor, at: Layout, width_bytes: int) -> bool:
-    """Whether every row of ``at`` (``width_bytes`` from its address) lies inside ``t``'s rows.
-
-    Row ``r`` starts at ``(r // page) * page_stride + (r % page) * tok_stride
-    + base``; the last in-page token must end within ``t``'s row, and the
-    page stride must be ``t``'s own (or ``t`` has a single row).
-    """
-    last = at.base + (at.page - 1) * at.tok_stride + width_bytes
-    stride_ok = t.shape[0] <= 1 or at.page_stride == t.stride(0)
-    return min(at.base, at.tok_stride, at.page_stride) >= 0 and last <= t.shape[1] and stride_ok
 
 
 def check_extents(src, dst, index, num_rows: int, width_bytes: int, src_layout: Layout, dst_layout: Layout, *,
@@ -415,8 +340,6 @@ def index_k_gather(pages: torch.Tensor, slots: torch.Tensor, page_size: int, hea
     page's ``page_size * head_dim`` key bytes) are moved, each with its own
     word size (8-byte words for 128 key bytes, one 4-byte word per scale).
     """
-    from . import segments
-
     n = slots.shape[0]
     nb = (head_dim + 127) // 128
     key_bytes = torch.empty((n, head_dim), dtype=torch.uint8, device=pages.device)

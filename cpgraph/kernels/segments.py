@@ -18,7 +18,7 @@ wastes work:
 Each segment has its own word size (the widest of 8/4/2/1 bytes that
 divides its widths, strides, offsets and pointers), its own source
 addressing (``(row // PAGE) * PAGE_STRIDE + (row % PAGE) * TOK_STRIDE +
-BASE``, the same form as :class:`move.Layout`) and its own destination
+BASE``, the same form as :class:`.addressing.Layout`) and its own destination
 (row-major with a row stride and a base column).  A segment may store more
 words than it loads (``store > load``): the extra words are written as zeros,
 which is how the materialisation pack fills its alignment padding.
@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
-from .move import _WORD_DTYPES, Layout, interpreting, layout_fits, word_size
+from ._launch import Launcher, interpreting
+from .addressing import WORD_DTYPES, Layout, layout_fits, word_size
 
 GATHER, SCATTER, COPY = 0, 1, 2
 MAX_SEGMENTS = 3
@@ -153,7 +153,7 @@ class Segment:
     """One byte segment of a row: where it is read, where it is written, how many bytes.
 
     ``src``/``dst``: 2-D uint8 buffers (unit last stride).  ``src_at``:
-    byte addressing of source rows (:class:`move.Layout`).  ``dst_stride`` /
+    byte addressing of source rows (:class:`.addressing.Layout`).  ``dst_stride`` /
     ``dst_base``: destination row stride and first column, in bytes.
     ``load_bytes`` bytes are read; ``store_bytes >= load_bytes`` are written
     (the excess as zeros).
@@ -192,7 +192,7 @@ class Segment:
             sp, sps, sts, sb = at.in_words(w)
             sw = self.store_bytes // w
             a, b, c = pieces(sw)
-            geo = _GEOMETRY[key] = (w, _WORD_DTYPES[w], [sp, sps, sts, sb, self.dst_stride // w, self.dst_base // w,
+            geo = _GEOMETRY[key] = (w, WORD_DTYPES[w], [sp, sps, sts, sb, self.dst_stride // w, self.dst_base // w,
                                                          self.load_bytes // w, sw, a, b, c])  # fmt: skip
         w, word, consts = geo
         self._geo = geo
@@ -219,7 +219,7 @@ _GEOMETRY: dict = {}
 
 
 def _align(t) -> tuple[int, int, int, int]:
-    """What :func:`move.word_size` looks at in a tensor, reduced mod 8."""
+    """What :func:`.addressing.word_size` looks at in a tensor, reduced mod 8."""
     return t.data_ptr() % 8, t.storage_offset() % 8, t.stride(0) % 8, t.shape[-1] % 8
 
 
