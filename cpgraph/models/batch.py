@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from cpgraph.plan import CPPlan, materialize_descriptors
-from cpgraph.runtime.kv_pool import slots_for_positions
+from cpgraph.plan.slots import slots_for_positions
 
 KV_FORMATS = ("dense", "fp8")
 

@@ -22,11 +22,11 @@ from torch import Tensor, nn
 import cpgraph.ops.row_scope  # noqa: F401
 import cpgraph.ops.rows  # noqa: F401
 
-from .attention import MLAttention
 from .batch import BatchMeta, KVLayout
 from .config import DSAConfig
-from .layers import MLP, RMSNorm, RotaryTable
-from .moe import MoE
+from .decoder import DecoderLayer
+from .layers import RMSNorm, RotaryTable
+from .mtp import DraftModel, MTPLayer
 
 _ops = torch.ops.cpgraph
 
@@ -38,26 +38,6 @@ class ForwardOutput(NamedTuple):
     # Final-normed hidden state of every compute row [M, hidden], CP-local (this
     # rank's rows, the plan's row layout): what the MTP draft consumes.
     local_hidden: Tensor | None = None
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DSAConfig, idx: int):
-        super().__init__()
-        self.is_moe = cfg.mlp_layer_types[idx] == "sparse"
-        self.self_attn = MLAttention(cfg, idx)
-        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, meta, layout, mla_pool, index_pool, prev_topk):
-        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, layout, mla_pool, index_pool, prev_topk)
-        x = x + attn
-        h = self.post_attention_layernorm(x)
-        # MoE is row-local; the compiler's MoE pass compacts valid rows around
-        # it so that padding rows never reach the router (docs/contracts.md).
-        # The row windows tell the experts how many leading rows are real.
-        mlp = self.mlp(h, (meta.ks, meta.ke)) if self.is_moe else self.mlp(h)
-        return x + mlp, topk
 
 
 class DSABody(nn.Module):
@@ -86,8 +66,6 @@ class DSAForCausalLM(nn.Module):
         # The MTP draft layer (checkpoint ``model.layers.{num_hidden_layers}.*``),
         # built only when asked for; see cpgraph/models/mtp.py.
         if draft:
-            from .mtp import MTPLayer
-
             self.mtp = MTPLayer(cfg)
 
     @property
@@ -96,8 +74,6 @@ class DSAForCausalLM(nn.Module):
 
     def draft_module(self):
         """The draft forward as its own module (a second compiled graph; docs/mtp.md)."""
-        from .mtp import DraftModel
-
         if not self.has_draft:
             raise ValueError("this model has no MTP draft layer: build or load it with draft=True")
         return DraftModel(self)

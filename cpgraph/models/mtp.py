@@ -38,6 +38,7 @@ import cpgraph.ops.rows  # noqa: F401
 
 from .batch import BatchMeta, DraftInputs, KVLayout
 from .config import DSAConfig
+from .decoder import DecoderLayer
 from .layers import RMSNorm
 
 _ops = torch.ops.cpgraph
@@ -68,12 +69,6 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(hidden, eps)
 
 
-def _decoder_layer():
-    from .model import DecoderLayer  # model.py imports this module lazily
-
-    return DecoderLayer
-
-
 class MTPLayer(nn.Module):
     """The draft's own parameters, named as the checkpoint names them under ``model.layers.{N}.``."""
 
@@ -83,7 +78,7 @@ class MTPLayer(nn.Module):
             raise ValueError("an MTP draft layer needs a target with at least one layer")
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_id = cfg.draft_layer
-        self.block = _decoder_layer()(draft_layer_config(cfg), cfg.draft_layer)
+        self.block = DecoderLayer(draft_layer_config(cfg), cfg.draft_layer)
         self.enorm = RMSNorm(H, eps)
         self.hnorm = RMSNorm(H, eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)

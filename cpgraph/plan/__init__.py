@@ -5,6 +5,7 @@ Deterministic and communication-free; see ``docs/plan.md``.
 
 from .materialize import GatherLayout, MaterializeDescriptors, materialize_descriptors
 from .plan import ROW_COMPUTE_PAD, ROW_STATIC_PAD, ROW_VALID, CPPlan, RankPlan, plan_prefill
+from .slots import slots_for_positions
 
 __all__ = [
     "plan_prefill",
@@ -16,4 +17,5 @@ __all__ = [
     "materialize_descriptors",
     "GatherLayout",
     "MaterializeDescriptors",
+    "slots_for_positions",
 ]
