@@ -58,8 +58,8 @@ from cpgraph.ops import ledger
 from ._bits import e4m3_bits, load_f32, pow2_exponent, store_f32_as
 from ._launch import Launcher, interpreting
 from .codecs import _KINDS, _quantize_tile
+from .provider_name import PROVIDER_NAME
 
-PROVIDER_NAME = "triton"
 REFERENCE = "reference"
 MAX_D = 4096  # widest row a program takes whole (values kept in registers)
 
