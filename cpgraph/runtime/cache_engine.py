@@ -86,18 +86,83 @@ class CacheResult:
         return {k: sum(h[k] for h in self.hits) for k in tiers}
 
 
+HOLE = -2  # a page table entry still to compute (a hole after a failed L3 page, or an extend page): no page yet
+
+
 @dataclass
-class _Request:
+class _L3Tail:
+    """The pages an L3 fetch read *after* its first failed page: they wait in L2 until the match can load them."""
+
+    start: int  # logical page of the first failed page
+    host_pages: np.ndarray  # this rank's L2 page per page of the tail (-1: another rank's, or did not arrive)
+    owners: np.ndarray  # owner per page, as stored
+    arrived: np.ndarray  # bool per page, the same on every rank; the tail ends on an arrived page
+
+
+@dataclass
+class PrefixMatch:
+    """What admission found in the cache for one prompt (:meth:`CacheEngine.match`); rank-identical except page ids.
+
+    The prompt's logical pages ``[0, cached_pages)`` have KV or get it
+    before the prompt's own extend runs:
+
+    * ``[0, tree_pages)``: the radix tree's pages (L1 hits, locked; L2 hits
+      loaded back), ``prefix_pages`` / ``prefix_owners``;
+    * ``[tree_pages, cached_pages)``: only after an L3 page failed to
+      arrive: the pages that arrived after it, loaded into pages this match
+      holds (``restored_pages`` / ``restored_owners``, ``HOLE`` where a page
+      failed), and ``holes``, the runs of failed pages.  A hole is computed
+      as an extend over the pages before it; the pages after it stay valid
+      (a page's KV depends on the tokens before it, not on how their KV was
+      obtained), so only the failed pages are recomputed.
+
+    The caller computes :meth:`segments` (holes first, in order, then the
+    rest of the prompt), then :meth:`CacheEngine.commit` inserts the pages
+    and :meth:`CacheEngine.release` unlocks (or, for a request that does not
+    run, gives everything back).
+    """
+
     tokens: list
     key: TokenKey
     # Snapshot at match time: a later request's match may split these nodes.
     prefix_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     prefix_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    restored_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    restored_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    holes: list = field(default_factory=list)  # [(first page, end page)] to compute, inside [tree_pages, cached_pages)
     locks: list = field(default_factory=list)
     loads: list = field(default_factory=list)  # in-flight L2 -> L1 load-backs (per-layer events)
     device_hit: int = 0
     host_hit: int = 0
     l3_hit: int = 0
+    holds_restored: bool = False  # the restored pages are this match's (until commit or release)
+
+    @property
+    def tree_pages(self) -> int:
+        return int(self.prefix_pages.shape[0])
+
+    @property
+    def cached_pages(self) -> int:
+        return self.tree_pages + int(self.restored_pages.shape[0])
+
+    @property
+    def hole_tokens(self) -> int:
+        return sum(b - a for a, b in self.holes)
+
+    def segments(self, page_size: int) -> list[tuple[int, int]]:
+        """Token ranges to compute, in order: each hole (whole pages), then ``[cached_pages * page, len)``."""
+        return [(a * page_size, b * page_size) for a, b in self.holes] + \
+            [(self.cached_pages * page_size, len(self.tokens))]
+
+    def table(self, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(page, owner)`` per logical page of the prompt: the cached ones, ``HOLE`` for the pages to compute."""
+        n = -(-len(self.tokens) // page_size)
+        pages = np.full(n, HOLE, dtype=np.int64)
+        owners = np.full(n, HOLE, dtype=np.int64)
+        t, c = self.tree_pages, self.cached_pages
+        pages[:t], owners[:t] = self.prefix_pages, self.prefix_owners
+        pages[t:c], owners[t:c] = self.restored_pages, self.restored_owners
+        return pages, owners
 
 
 class CacheEngine:
@@ -183,7 +248,9 @@ class CacheEngine:
         n = self.tree.device_pages_total if num_pages is None else num_pages
         return self.tree.evict(n, self._release, release_host=self._release_host)
 
-    def _alloc(self, owners) -> np.ndarray:
+    def alloc(self, owners) -> np.ndarray:
+        """L1 pages with ``owners`` (``-1`` where another rank owns one); a short lane evicts its LRU leaves and
+        retries once, then :class:`KVPoolExhausted` (nothing allocated).  Identical decisions on every rank."""
         for attempt in range(2):
             try:
                 return self.device.alloc(owners)
@@ -194,43 +261,116 @@ class CacheEngine:
                 self._evict_lanes(exc.deficits)
         raise AssertionError("unreachable")
 
-    # ----------------------------------------------------------------- prefill
-    def _fetch_l3(self, req: _Request, limit: int):
-        """Fetch the L3-resident pages right after ``req``'s radix hit into L2; returns the attached node or None.
+    def evictable_by_lane(self) -> np.ndarray:
+        """``[cp_size]``: L1 pages per owner lane that eviction could free now (unlocked cached pages)."""
+        if self.cp_size == 1:  # one lane: the tree keeps the count
+            return np.asarray([self.tree.evictable_pages], dtype=np.int64)
+        out = np.zeros(self.cp_size, dtype=np.int64)
+        for node in self.tree.nodes():
+            if node.device_pages is not None and node.lock_ref == 0:
+                out += np.bincount(node.page_owners.astype(np.int64), minlength=self.cp_size)
+        return out
 
-        Every condition here depends only on rank-identical state (tokens,
-        tree), so all CP ranks take the same branch and issue the same
-        collectives inside :meth:`L3Tier.lookup` / :meth:`L3Tier.fetch`.
+    def clear(self) -> None:
+        """Empty the cache: evict all of L1 (to L2 when there is one), then drop all of L2 (nothing may be locked)."""
+        self.evict_device()
+        if self.hicache is not None:
+            self.tree.evict_host(1 << 62, self._release_host)
+
+    # ----------------------------------------------------------------- prefill
+    def _fetch_l3(self, req: PrefixMatch, limit: int) -> tuple[RadixNode | None, _L3Tail | None]:
+        """Fetch the L3-resident pages right after ``req``'s radix hit into L2: ``(attached node, tail)``.
+
+        The pages before the first one that failed to arrive are attached
+        to the tree as an L2-only node; the pages that arrived after it (the
+        tail) stay in L2 outside the tree until :meth:`_restore_tail` loads
+        them.  Every condition here depends only on rank-identical state
+        (tokens, tree, mirrored ledgers, the agreed arrival bits), so all CP
+        ranks take the same branch and issue the same collectives inside
+        :meth:`L3Tier.lookup` / :meth:`L3Tier.fetch`.
         """
         m = self.tree.match_prefix(req.key, max_pages=limit)
         start = sum(n.num_pages for n in m.nodes)
         if start >= limit or self.tree.extends_past(req.key, start):
-            return None  # all cached, or the tree goes on (an MTP draft back-off): nothing for L3 to add
+            return None, None  # all cached, or the tree goes on (an MTP draft back-off): nothing for L3 to add
         if not all(n.device_pages is not None or self.hicache.usable_from_host(n) for n in m.nodes):
-            return None
+            return None, None
         digests = self.l3.chain(req.tokens, limit)[start:]
         owners = self.l3.lookup(digests)
         if owners.size == 0:
-            return None
+            return None, None
         anchor = m.nodes[-1] if m.nodes else None
         if anchor is not None:
             self.tree.inc_lock(anchor)  # L2 room for the fetch must not come from this request's own path
         try:
-            hp = self.l3.fetch(digests[: owners.size], owners)
+            got = self.l3.fetch(digests[: owners.size], owners)
         finally:
             if anchor is not None:
                 self.tree.dec_lock(anchor)
-        if hp is None or hp.size == 0:
-            return None
-        end = start + int(hp.size)
-        return self.tree.attach_host(req.key[: end * self.page_size], start, hp, owners[: hp.size],
-                                     self.hicache.host.required_payloads,
-                                     next_token=int(req.tokens[end * self.page_size]))
+        if got is None:
+            return None, None
+        hp, arrived = got
+        n = int(hp.size)
+        owners = owners[:n]
+        cut = int(np.argmin(arrived)) if not arrived.all() else n
+        tail = None
+        if cut < n and arrived[cut:].any():
+            last = n - int(np.argmax(arrived[::-1]))  # the tail ends on its last arrived page
+            tail = _L3Tail(start + cut, hp[cut:last], owners[cut:last], arrived[cut:last].copy())
+        head = None
+        if cut:
+            end = start + cut
+            head = self.tree.attach_host(req.key[: end * self.page_size], start, hp[:cut], owners[:cut],
+                                         self.hicache.host.required_payloads,
+                                         next_token=int(req.tokens[end * self.page_size]))
+        return head, tail
 
-    def _match(self, req: _Request) -> None:
+    def _drop_tail(self, tail: _L3Tail) -> None:
+        """Give back a tail's L2 pages (the fetch already freed those of the pages that did not arrive)."""
+        sel = tail.arrived
+        self.hicache.host.free(tail.host_pages[sel], tail.owners[sel])
+
+    def _restore_tail(self, req: PrefixMatch, tail: _L3Tail) -> None:
+        """Load the tail's arrived pages into pages ``req`` holds, leaving holes at the failed ones.
+
+        Only when the tree prefix reaches the tail (``tree_pages ==
+        tail.start``): if an L2 load-back before it degraded to a miss, so
+        does the tail (the request computes from the end of its prefix).
+        The tail's L2 pages are freed once the copy is issued: any later
+        host-side write into L2 rows first waits for HiCache's side stream.
+        """
+        sel = tail.arrived
+        loaded = None
+        if req.tree_pages == tail.start:
+            loaded = self.hicache.load_pages(tail.host_pages[sel], tail.owners[sel])
+        self._drop_tail(tail)
+        if loaded is None:
+            return
+        pages, handle = loaded
+        req.restored_pages = np.full(sel.shape[0], HOLE, dtype=np.int64)
+        req.restored_owners = np.full(sel.shape[0], HOLE, dtype=np.int64)
+        req.restored_pages[sel], req.restored_owners[sel] = pages, tail.owners[sel]
+        req.holes = [(tail.start + a, tail.start + a + n) for a, n in _false_runs(sel)]
+        req.holds_restored = True
+        req.loads.append(handle)
+        req.l3_hit += int(sel.sum()) * self.page_size
+
+    def match(self, tokens: Sequence[int], key: TokenKey | None = None) -> PrefixMatch:
+        """Admission of one prompt: L3 fetch past the radix hit, radix match, L1 locks, L2 load-backs.
+
+        At most ``(len - 1) // page_size`` pages (one token is always
+        computed, for the logits).  The L1 part is locked, the usable L2 run
+        after it loaded back (layer L's compute waits only for layer L's
+        copy, ``kv_layer_ready``), pages from L3 after a failed one restored
+        (:class:`PrefixMatch`).  Every CP rank must make the same calls in
+        the same order (the L3 step runs collectives).  The caller ends with
+        :meth:`commit` then :meth:`release`, or :meth:`release` alone.
+        """
+        tokens = list(tokens)
+        req = PrefixMatch(tokens, key if key is not None else TokenKey(tokens))
         ps = self.page_size
-        limit = (len(req.tokens) - 1) // ps
-        fetched = self._fetch_l3(req, limit) if self.l3 is not None else None
+        limit = (len(tokens) - 1) // ps
+        fetched, tail = self._fetch_l3(req, limit) if self.l3 is not None else (None, None)
         m = self.tree.match_prefix(req.key, max_pages=limit)
         nodes = m.device_nodes
         if nodes:
@@ -257,6 +397,47 @@ class CacheEngine:
         if nodes:
             req.prefix_pages = np.concatenate([n.device_pages for n in nodes])
             req.prefix_owners = np.concatenate([n.page_owners for n in nodes]).astype(np.int64)
+        if tail is not None:
+            self._restore_tail(req, tail)
+        return req
+
+    def commit(self, match: PrefixMatch, pages: np.ndarray, owners: np.ndarray, next_token: int = -1) -> RadixNode:
+        """After the prompt's last pass: insert its whole pages, free the rest; returns the inserted path's last node.
+
+        ``pages`` / ``owners``: the prompt's full page table (:meth:`PrefixMatch.table`
+        with every ``HOLE`` filled).  Pages the tree does not adopt
+        (duplicates: another request inserted the same prefix first) and the
+        partial last page are freed; the restored pages now belong to the
+        tree or are freed.  ``next_token``: the token after the last whole
+        page as the pages were computed (-1: none).  Then, under
+        ``write_through``, :meth:`backup_inserted`, and :meth:`release`.
+        """
+        ps = self.page_size
+        full = len(match.tokens) // ps
+        res = self.tree.insert(match.key[: full * ps], pages[:full], owners[:full], matched_pages=match.tree_pages,
+                               drop_host=self._drop_stale_host, next_token=int(next_token))
+        drop = np.concatenate([np.flatnonzero(~res.adopted), np.arange(full, pages.shape[0])])
+        match.holds_restored = False
+        if drop.size:
+            self.device.free(pages[drop], owners[drop])
+        return res.last_node
+
+    def release(self, match: PrefixMatch) -> None:
+        """Unlock ``match``'s prefix; before :meth:`commit`, also give back its restored pages.  Idempotent.
+
+        Waits for its in-flight load-backs first: nothing may be freed or
+        evicted under a copy.
+        """
+        for h in match.loads:
+            h.wait_all()
+        match.loads = []
+        if match.holds_restored:
+            sel = match.restored_owners >= 0
+            self.device.free(match.restored_pages[sel], match.restored_owners[sel])
+            match.holds_restored = False
+        for node in match.locks:
+            self.tree.dec_lock(node)
+        match.locks = []
 
     @torch.no_grad()
     def prefill(self, token_lists: Sequence[Sequence[int]], *, return_topk: bool = False,
@@ -264,63 +445,69 @@ class CacheEngine:
         ps = self.page_size
         lists, _ = check_prompts(token_lists, None, ps, self.model.config.vocab_size)
         misses_before = self.hicache.stats["load_misses"] if self.hicache else 0
-        reqs = [_Request(t, TokenKey(t)) for t in lists]
+        reqs: list[PrefixMatch] = []
         allocated: list[tuple[np.ndarray, np.ndarray]] = []
         try:
-            for r in reqs:
-                self._match(r)
-            prefix = [r.prefix_pages.shape[0] * ps for r in reqs]
-            extend = [len(r.tokens) - p for r, p in zip(reqs, prefix)]
-            plan = plan_prefill(prefix, extend, cp_size=self.cp_size, page_size=ps)
-            tables, owners = [], []
-            for i, r in enumerate(reqs):
-                ext_owners = np.asarray(plan.page_owners(i), dtype=np.int64)
-                ext_pages = self._alloc(ext_owners)
-                allocated.append((ext_pages, ext_owners))
-                tables.append(np.concatenate([r.prefix_pages, ext_pages]))
-                owners.append(np.concatenate([r.prefix_owners, ext_owners]))
-            if progress:
-                progress(f"extend pass: {len(reqs)} request(s), {sum(extend)} token(s), cached prefix {sum(prefix)}")
-            prefix_owners = [o[: p // ps] for o, p in zip(owners, prefix)]
+            for t in lists:
+                reqs.append(self.match(t))
+            tables = [r.table(ps) for r in reqs]
             loads = [h for r in reqs for h in r.loads]
 
             def wait_for_layer(layer: int, pool=None) -> None:
                 for h in loads:
                     h.wait_layer(layer)
 
-            dkw = {} if self.draft is None else dict(draft=self.draft, draft_pools=draft_pools(self.pool, self.model),
-                                                     prompts=[r.tokens for r in reqs])
-            with layer_hooks(on_ready=wait_for_layer if loads else None):
-                ran = forward_batch(self.forward, plan, [r.tokens[p:] for r, p in zip(reqs, prefix)], tables,
-                                    prefix_owners, self.pools, self.model.device, rank=self.rank,
-                                    return_topk=return_topk, **dkw)
+            def run(idx, spans, **kw):
+                """One forward over request ``idx[j]``'s tokens ``spans[j]`` (an extend over all pages before it)."""
+                plan = plan_prefill([s for s, _ in spans], [e - s for s, e in spans], cp_size=self.cp_size,
+                                    page_size=ps)
+                for j, (i, (s, e)) in enumerate(zip(idx, spans)):
+                    own = np.asarray(plan.page_owners(j), dtype=np.int64)
+                    pages = self.alloc(own)
+                    allocated.append((pages, own))
+                    tables[i][0][s // ps : s // ps + own.size] = pages
+                    tables[i][1][s // ps : s // ps + own.size] = own
+                dkw = {} if self.draft is None else dict(draft=self.draft, prompts=[reqs[i].tokens for i in idx],
+                                                         draft_pools=draft_pools(self.pool, self.model))
+                with layer_hooks(on_ready=wait_for_layer if loads else None):
+                    return forward_batch(self.forward, plan, [reqs[i].tokens[s:e] for i, (s, e) in zip(idx, spans)],
+                                         [tables[i][0][: -(-e // ps)] for i, (_, e) in zip(idx, spans)],
+                                         [tables[i][1][: s // ps] for i, (s, _) in zip(idx, spans)],
+                                         self.pools, self.model.device, rank=self.rank, **kw, **dkw)
+
+            # Holes (L3 pages that failed to arrive, with pages after them restored): each is an extend over the
+            # pages before it, so a request's holes run in order, one pass per hole index.
+            for k in range(max((len(r.holes) for r in reqs), default=0)):
+                idx = [i for i, r in enumerate(reqs) if len(r.holes) > k]
+                if progress:
+                    progress(f"hole pass {k + 1}: {len(idx)} request(s), "
+                             f"{sum(reqs[i].holes[k][1] - reqs[i].holes[k][0] for i in idx) * ps} token(s)")
+                run(idx, [(reqs[i].holes[k][0] * ps, reqs[i].holes[k][1] * ps) for i in idx])
+            prefix = [r.cached_pages * ps for r in reqs]
+            if progress:
+                progress(f"extend pass: {len(reqs)} request(s), {sum(len(r.tokens) - p for r, p in zip(reqs, prefix))} "
+                         f"token(s), cached prefix {sum(prefix)}")
+            ran = run(list(range(len(reqs))), [(p, len(r.tokens)) for r, p in zip(reqs, prefix)],
+                      return_topk=return_topk)
             out, meta = ran[0], ran[1]
             draft_out = ran[2] if self.draft is not None else None
-            allocated = []  # from here on the pages belong to the insert/free step
+            allocated = []  # from here on the pages belong to the commit step
             last_nodes = []
             # The token after each request's last whole page as its pages were computed: the prompt's, or
             # (with a draft, prompt ending on a page boundary) the sampled token the draft was given.
             sampled = None
             if self.draft is not None and any(len(r.tokens) % ps == 0 for r in reqs):
                 sampled = ran[3].tolist()  # host copy after the forward, needed by the host-side tree
-            for i, (r, p, table, own) in enumerate(zip(reqs, prefix, tables, owners)):
+            for i, (r, (pages, own)) in enumerate(zip(reqs, tables)):
                 full = len(r.tokens) // ps
-                m = p // ps
                 after = r.tokens[full * ps] if len(r.tokens) > full * ps else (sampled[i] if sampled else -1)
-                res = self.tree.insert(r.key[: full * ps], table[:full], own[:full], matched_pages=m,
-                                       drop_host=self._drop_stale_host, next_token=int(after))
-                drop = np.flatnonzero(~res.adopted)
-                drop = np.concatenate([drop, np.arange(full, table.shape[0])])  # + the partial last page
-                if drop.size:
-                    self.device.free(table[drop], own[drop])
-                last_nodes.append(res.last_node)
+                last_nodes.append(self.commit(r, pages, own, next_token=after))
             self.backup_inserted(last_nodes)
         finally:
             for pages, own in allocated:  # failed before the forward finished: give the pages back
                 self.device.free(pages, own)
             for r in reqs:
-                for node in r.locks:
-                    self.tree.dec_lock(node)
+                self.release(r)
         check_consistent(self.tree, self.group, device=self.model.device)
         hits = [self._hits(r) for r in reqs]
         misses = (self.hicache.stats["load_misses"] if self.hicache else 0) - misses_before
@@ -328,8 +515,7 @@ class CacheEngine:
                            meta if return_topk else None, misses,
                            draft_logits=draft_out.logits if draft_out is not None else None)
 
-
-    def _hits(self, r: _Request) -> dict:
+    def _hits(self, r: PrefixMatch) -> dict:
         computed = len(r.tokens) - r.device_hit - r.host_hit - r.l3_hit
         if self.l3 is None:
             return {"device": r.device_hit, "host": r.host_hit, "computed": computed}
@@ -363,7 +549,10 @@ class CacheEngine:
             tokens = list(tokens)
             node = None
             if self.l3 is not None and len(tokens) > self.page_size:
-                node = self._fetch_l3(_Request(tokens, TokenKey(tokens)), (len(tokens) - 1) // self.page_size)
+                node, tail = self._fetch_l3(PrefixMatch(tokens, TokenKey(tokens)),
+                                            (len(tokens) - 1) // self.page_size)
+                if tail is not None:  # pages after a failed one have no place in the tree yet: admission fetches them
+                    self._drop_tail(tail)
             out.append(node.num_pages * self.page_size if node is not None else 0)
         return out
 
@@ -389,6 +578,16 @@ class CacheEngine:
             self.hicache.before_host_evict = None
             self.l3.store.close()
             self.l3 = None
+
+
+def _false_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, length)`` of each run of ``False`` in ``mask``."""
+    idx = np.flatnonzero(~mask)
+    if idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [idx.size]])
+    return [(int(idx[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 def _path_to(node, root) -> list:

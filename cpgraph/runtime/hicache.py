@@ -305,7 +305,29 @@ class HiCache:
             return None
         if not all(self.usable_from_host(n) and n.device_pages is None for n in nodes):
             raise ValueError("HiCache.load_back: every node must be L2-only with all payloads present")
-        owners = np.concatenate([n.page_owners for n in nodes])
+        loaded = self.load_pages(np.concatenate([n.host_pages for n in nodes]),
+                                 np.concatenate([n.page_owners for n in nodes]))
+        if loaded is None:
+            return None
+        pages, handle = loaded
+        start = 0
+        for n in nodes:
+            self.tree.mark_loaded(n, pages[start : start + n.num_pages])
+            start += n.num_pages
+        return handle
+
+    def load_pages(self, host_pages, owners) -> tuple[np.ndarray, TransferHandle] | None:
+        """Copy L2 pages that no node holds into new L1 pages with ``owners``: ``(device pages, handle)`` or None.
+
+        What :meth:`load_back` does for a node, for pages the tree cannot hold
+        yet (the L3 pages after a failed one, docs/cache.md): the same
+        owner-preserving allocation, the same evict-and-retry-once on a lane
+        deficit, ``None`` (counted in ``load_misses``) when still short.  The
+        L2 pages stay allocated: the caller frees them (every later host-side
+        write into L2 rows waits for the side stream first).
+        """
+        hst = int_array(host_pages, "HiCache.load_pages: host_pages")
+        owners = int_array(owners, "HiCache.load_pages: owners")
         pages = None
         for attempt in range(2):
             try:
@@ -320,16 +342,11 @@ class HiCache:
             log.info("HiCache load-back of %d page(s) degraded to a cache miss (owner-lane deficit)", owners.size)
             return None
         # alloc_pages_with_owners guarantees the owner pattern: our pages sit exactly where we own.
-        hst = np.concatenate([n.host_pages for n in nodes])
         d_idx, h_idx = self._owned(pages, hst)
         handle = self._copy(d_idx, h_idx, to_host=False)
-        start = 0
-        for n in nodes:
-            self.tree.mark_loaded(n, pages[start : start + n.num_pages])
-            start += n.num_pages
         self.stats["load_pages"] += int(owners.size)
         self.stats["load_bytes"] += handle.bytes
-        return handle
+        return pages, handle
 
     # -------------------------------------------------------------- transfers
     def _copy(self, dev_pages: np.ndarray, host_pages: np.ndarray, *, to_host: bool) -> TransferHandle:

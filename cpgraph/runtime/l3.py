@@ -18,15 +18,19 @@ request's radix hit, the longest run of pages the store holds is fetched into
 freshly allocated L2 pages and attached to the tree as an L2-only node
 (``RadixCache.attach_host``); the engine's next match then loads it back
 like any L2 node.  A page that fails to arrive (missing by now, corrupt,
-a backend error) ends the run there: the pages before it are used, it and
-the pages after it are recomputed (a cached prefix has no holes).
+a backend error) is a *hole*: the pages before it form the attached node,
+and the pages that arrived after it are handed to the engine, which loads
+them into the request's own L1 pages and computes only the hole's tokens,
+as an extend over the prefix before it (a page's KV depends on the tokens
+before it, not on how their KV was obtained, so the pages after a hole stay
+valid).
 
 **CP.**  Each rank stores and fetches only the pages it owns, keyed with its
 rank.  Which rank stored page j is not known from the tokens, so lookup is
 one all-gather of every rank's "I hold page j" bits: page j's owner is the
 lowest rank that holds it, and the run ends at the first page nobody holds.
 After the fetch one all-reduce (MIN) of the per-page success bits makes
-every rank cut the run at the same page.  Both collectives depend only on
+every rank see the same holes.  Both collectives depend only on
 state that is identical on all ranks (the tree, the mirrored L2 ledger, the
 tokens), so every rank issues them in the same order; a rank whose store is
 down just answers "not held".  One device: no collectives.
@@ -158,12 +162,17 @@ class L3Tier:
             start, chunk = stop, chunk * 4
         return held
 
-    def fetch(self, digests: Sequence[bytes], owners: np.ndarray) -> np.ndarray | None:
-        """Read the pages (this rank's only) into new L2 pages; returns the host pages of the run that arrived.
+    def fetch(self, digests: Sequence[bytes], owners: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Read the pages (this rank's only) into new L2 pages: ``(host pages, arrived)``, or ``None``.
 
-        The run is cut at the first page any rank failed to read, and those
-        pages' L2 pages are freed again.  ``None`` when L2 has no room even
-        after dropping least-recently-used L2-only leaves.
+        ``host pages``: this rank's L2 page per page of the run (``-1`` where
+        another rank owns it, or where the page did not arrive); ``arrived``:
+        whether *every* rank read the page (one all-reduce MIN under CP), so
+        the mask -- and with it the set of pages to recompute -- is the same
+        on every rank.  The L2 pages of the pages that did not arrive are
+        freed again.  The run may be shorter than asked when L2 cannot hold it
+        (the leading pages that fit); ``None`` when L2 has no room at all,
+        even after dropping least-recently-used L2-only leaves.
         """
         owners = np.asarray(owners, dtype=np.int64)
         n = owners.shape[0]
@@ -185,13 +194,14 @@ class L3Tier:
             ok[mine] = np.asarray(got, dtype=bool)
         if self.cp_size > 1:
             ok = self._all_min(ok)
-        cut = int(np.argmin(ok)) if not ok.all() else n
-        self.stats["fetched_pages"] += cut
-        self.stats["fetch_failed_pages"] += n - cut
-        if cut < n:
-            log.info("L3 fetch: %d of %d page(s) arrived; the rest are recomputed", cut, n)
-            self.host.free(hp[cut:], owners[cut:])
-        return hp[:cut]
+        arrived = int(ok.sum())
+        self.stats["fetched_pages"] += arrived
+        self.stats["fetch_failed_pages"] += n - arrived
+        if arrived < n:
+            log.info("L3 fetch: %d of %d page(s) arrived; the others are recomputed", arrived, n)
+            self.host.free(hp[~ok], owners[~ok])
+            hp = np.where(ok, hp, -1)
+        return hp, ok
 
     def _host_quiet(self) -> None:
         """Wait for HiCache's side stream before the host touches L2 rows (CUDA; a no-op on CPU).

@@ -65,13 +65,13 @@ from cpgraph.ops.checks import debug_enabled
 from cpgraph.ops.layer_events import layer_hooks
 from cpgraph.plan import plan_prefill
 
-from .cache_engine import CacheEngine, _Request
+from .cache_engine import CacheEngine, PrefixMatch
 from .engine import forward_batch
 from .radix import TokenKey, check_consistent
 from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
                        RequestHandle, RequestResult, _Stats, engine_request)
 from .sampling import Sampling, choose_first_token
-from .scheduler import Scheduler, SchedulerConfig, chunk_ends, chunk_owners, first_chunk, lane_pages
+from .scheduler import Scheduler, SchedulerConfig, chunk_owners, chunk_spans, lane_pages
 
 log = logging.getLogger(__name__)
 
@@ -84,24 +84,24 @@ class _Live:
         self.id, self.tokens, self.room, self.handle = rid, tokens, room, handle
         self.tokens_np = np.asarray(tokens, dtype=np.int64)
         self.key = TokenKey(tokens)
-        self.match: _Request | None = None
-        self.prefix_len = 0
-        self.done = 0
+        self.match: PrefixMatch | None = None
+        self.prefix_len = 0  # tokens with KV from the cache (all tiers) at admission
+        self.done = 0  # where the next chunk starts: the leading tokens whose KV exists
+        self.starts: list[int] = []  # chunk sequence fixed at admission: holes first (docs/cache.md), then the rest
         self.ends: list[int] = []
         self.next_chunk = 0
         self.defers = 0
+        self.pages = self.owners = None  # page table of the whole prompt (PrefixMatch.table, chunks filled in)
         self.own_pages: list[np.ndarray] = []
         self.own_owners: list[np.ndarray] = []
         self.reserve: np.ndarray | None = None
         self.cancel_reason: str | None = None
         self.t_submit, self.t_admit, self.deadline = now, None, deadline
-        self.transfer_s, self.transfer_ok, self.sent_once, self.chunks = 0.0, True, False, 0
+        self.transfer_s, self.transfer_ok, self.sent_pages, self.chunks = 0.0, True, 0, 0
 
-    def table(self) -> tuple[np.ndarray, np.ndarray]:
-        """(this rank's page per logical page, owner per logical page): cached prefix, then own chunks."""
-        m = self.match
-        return (np.concatenate([m.prefix_pages, *self.own_pages]).astype(np.int64),
-                np.concatenate([m.prefix_owners, *self.own_owners]).astype(np.int64))
+    def remaining(self) -> int:
+        """Prompt tokens still to compute (the chunks not run yet)."""
+        return sum(e - s for s, e in zip(self.starts[self.next_chunk:], self.ends[self.next_chunk:]))
 
 
 class PrefillEngine:
@@ -239,7 +239,7 @@ class PrefillEngine:
         s = self.stats
         return {
             "waiting": waiting, "running": len(running),
-            "running_tokens": sum(len(r.tokens) - r.done for r in running),
+            "running_tokens": sum(r.remaining() for r in running),
             "pages_used": int(ledger.used[self.rank]), "pages_free": int(ledger.free_pages()[self.rank]),
             "pages_cached": int(self.cache.tree.device_pages_total),
             "prompt_tokens": s.prompt_tokens, "cached_tokens": dict(s.cached_tokens),
@@ -375,7 +375,7 @@ class PrefillEngine:
         elif kind == "unadmit":
             live = self._live[op[1]]
             self._release(live)
-            live.match, live.ends, live.prefix_len, live.done = None, [], 0, 0
+            live.match, live.starts, live.ends, live.prefix_len, live.done = None, [], [], 0, 0
             if not self.is_leader:
                 del self._live[op[1]]  # the leader re-sends the tokens with its next try
         elif kind == "cancel":
@@ -386,60 +386,45 @@ class PrefillEngine:
         elif kind == "evict":
             if self._live:
                 raise RuntimeError("prefill engine: the cache is reset only while no request is admitted")
-            self.cache.evict_device()
-            if self.cache.hicache is not None:
-                self.cache.tree.evict_host(1 << 62, self.cache._release_host)
+            self.cache.clear()
         else:
             raise ValueError(f"prefill engine: unknown op {kind!r}")
 
     def _admit(self, live: _Live, budget: int) -> None:
-        """Match (lock L1 hits, load back L2 hits), fix the chunk sequence within ``budget``, reserve its pages.
+        """Match (lock L1 hits, load back L2 hits, restore L3 pages), fix the chunk sequence within ``budget``,
+        reserve its pages.
 
         Identical on every rank.  ``live.ends`` stays empty when not even the first chunk fits the budget.
         """
-        m = _Request(live.tokens, live.key)
-        self.cache._match(m)  # the cache engine's own match: same limits, locks and load-back rules
+        ps = self.page_size
+        m = self.cache.match(live.tokens, live.key)  # the cache engine's own match: same limits, locks and rules
         live.match = m
-        live.prefix_len = m.prefix_pages.shape[0] * self.page_size
-        live.done = live.prefix_len
+        live.prefix_len = m.cached_pages * ps
         live.next_chunk = 0
-        first = first_chunk(len(live.tokens) - live.prefix_len, budget, self.page_size)
-        live.ends = chunk_ends(live.prefix_len, len(live.tokens), first, self.scheduler.config.chunk_tokens) \
-            if first else []
-        starts = [live.prefix_len] + live.ends[:-1]
-        live.reserve = lane_pages(starts[: len(live.ends)], live.ends, self.cp_size, self.page_size)
+        spans = chunk_spans(m.segments(ps), budget, self.scheduler.config.chunk_tokens, ps)
+        live.starts, live.ends = [a for a, _ in spans], [b for _, b in spans]
+        live.done = live.starts[0] if spans else m.tree_pages * ps
+        live.pages, live.owners = m.table(ps)
+        live.reserve = lane_pages(live.starts, live.ends, self.cp_size, ps)
 
     def _release(self, live: _Live) -> None:
         """Give back everything the request holds: its own pages, its locks, its pending load-backs."""
         m = live.match
         if m is None:
             return
-        for h in m.loads:
-            h.wait_all()  # nothing may be freed or evicted under an in-flight copy
-        m.loads = []
+        self.cache.release(m)  # waits for its load-backs first: nothing is freed under an in-flight copy
         for pages, owners in zip(live.own_pages, live.own_owners):
             self.cache.device.free(pages, owners)
         live.own_pages, live.own_owners = [], []
-        for node in m.locks:
-            self.cache.tree.dec_lock(node)
-        m.locks = []
         live.reserve = None
 
     def _available(self) -> np.ndarray:
         """Pages per lane that admissions may still promise: free + evictable - reserved by running requests."""
-        tree = self.cache.tree
-        if self.cp_size == 1:  # one lane: the tree keeps the count
-            evictable = np.asarray([tree.evictable_pages], dtype=np.int64)
-        else:
-            evictable = np.zeros(self.cp_size, dtype=np.int64)
-            for node in tree.nodes():
-                if node.device_pages is not None and node.lock_ref == 0:
-                    evictable += np.bincount(node.page_owners.astype(np.int64), minlength=self.cp_size)
         reserved = np.zeros(self.cp_size, dtype=np.int64)
         for r in self.scheduler.running:
             if r.reserve is not None:
                 reserved += r.reserve
-        return self.cache.device.ledger.free_pages() + evictable - reserved
+        return self.cache.device.ledger.free_pages() + self.cache.evictable_by_lane() - reserved
 
     def _leader_admit(self, live: _Live, budget: int, ops: list) -> bool:
         # With HiCache, a cache-blind bound first: a match would start load-backs that cannot be used yet.
@@ -475,11 +460,14 @@ class PrefillEngine:
                 owners = chunk_owners(s, e, self.cp_size, ps)  # what the reservation counted
                 if debug_enabled() and not np.array_equal(owners, plan.page_owners(j)):
                     raise AssertionError("prefill engine: a chunk's page owners differ from its reservation")
-                pages = self.cache._alloc(owners)
+                pages = self.cache.alloc(owners)
                 live.own_pages.append(pages)
                 live.own_owners.append(owners)
+                live.pages[s // ps : s // ps + owners.size] = pages
+                live.owners[s // ps : s // ps + owners.size] = owners
                 live.reserve = live.reserve - np.bincount(owners, minlength=self.cp_size)
-            tables = [live.table() for live in lives]
+            # Chunk [s, e) reads every page before it (cached, restored, earlier chunks) and writes its own.
+            tables = [(live.pages[: -(-e // ps)], live.owners) for live, (_, _, e) in zip(lives, chunks)]
             loads = [h for live in lives for h in live.match.loads]
 
             def wait_for_layer(layer: int, pool=None) -> None:
@@ -513,8 +501,9 @@ class PrefillEngine:
         self.stats.step_seconds += forward_s
         finished = []
         for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
-            live.done, live.next_chunk, live.chunks = e, live.next_chunk + 1, live.chunks + 1
+            live.next_chunk, live.chunks = live.next_chunk + 1, live.chunks + 1
             last = e == len(live.tokens)
+            live.done = e if last else live.starts[live.next_chunk]
             choice = None
             if last and self.is_leader and live.handle is not None:
                 req = live.handle.request
@@ -522,7 +511,7 @@ class PrefillEngine:
             if live.room is not None and self.transfer is not None:
                 self._send(live, tables[j][0], s, e, last, choice)
             if last:
-                self._commit(live, tables[j])
+                self._commit(live)
                 if self.is_leader and live.handle is not None:
                     finished.append(self._close(live, FINISHED, choice))
                 else:
@@ -531,33 +520,27 @@ class PrefillEngine:
         return finished
 
     def _send(self, live: _Live, table: np.ndarray, s: int, e: int, last: bool, choice) -> None:
-        ps = self.page_size
-        first_page = 0 if not live.sent_once else s // ps
-        live.sent_once = True
+        # Every page not sent yet up to this chunk's end: the first chunk also sends the cached prefix, the one
+        # after a hole the restored pages between them.
+        first_page, end_page = live.sent_pages, -(-e // self.page_size)
+        live.sent_pages = end_page
         t0 = time.perf_counter()
         ok = live.transfer_ok and self.transfer.send_chunk(
-            live.room, table, first_page, -(-e // ps), last, None if choice is None else choice.token, len(live.tokens))
+            live.room, table, first_page, end_page, last, None if choice is None else choice.token, len(live.tokens))
         live.transfer_s += time.perf_counter() - t0
         if live.transfer_ok and not ok:
             self.stats.transfer_failures += 1
         live.transfer_ok = bool(ok)
 
-    def _commit(self, live: _Live, table: tuple[np.ndarray, np.ndarray]) -> None:
+    def _commit(self, live: _Live) -> None:
         """Insert the prompt's whole pages into the radix cache; free the rest; unlock (as CacheEngine.prefill)."""
         ps, cache = self.page_size, self.cache
-        pages, owners = table
         full = len(live.tokens) // ps
         after = live.tokens[full * ps] if len(live.tokens) > full * ps else -1
-        res = cache.tree.insert(live.key[: full * ps], pages[:full], owners[:full], matched_pages=live.prefix_len // ps,
-                                drop_host=cache._drop_stale_host, next_token=int(after))
-        drop = np.concatenate([np.flatnonzero(~res.adopted), np.arange(full, pages.shape[0])])
-        if drop.size:
-            cache.device.free(pages[drop], owners[drop])
-        live.own_pages, live.own_owners = [], []
-        cache.backup_inserted([res.last_node])  # write_through: L2 copies of the whole path, then L3
-        for node in live.match.locks:
-            cache.tree.dec_lock(node)
-        live.match.locks = []
+        last_node = cache.commit(live.match, live.pages, live.owners, next_token=after)
+        live.own_pages, live.own_owners = [], []  # the tree's now, or freed by commit
+        cache.backup_inserted([last_node])  # write_through: L2 copies of the whole path, then L3
+        cache.release(live.match)
         live.reserve = None
         if live.room is not None and self.transfer is not None:
             self.transfer.finish(live.room)

@@ -89,6 +89,28 @@ def chunk_ends(start: int, total: int, first: int, chunk: int) -> list[int]:
     return ends
 
 
+def chunk_spans(segments: Sequence[tuple[int, int]], first: int, chunk: int, page_size: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` chunks that compute the token ranges ``segments`` in order (empty: the first cannot start).
+
+    A chunk never spans two segments (each is one contiguous extend).  The
+    first chunk takes at most ``first`` tokens (the step's budget left), the
+    others at most ``chunk``; a segment that does not fit is cut on page
+    boundaries.  Every segment but the last is whole pages (a hole left by an
+    L3 page that failed to arrive), so every chunk but the prompt's last ends
+    on a page boundary.  One segment gives :func:`first_chunk` then
+    :func:`chunk_ends`.
+    """
+    spans, cap = [], first
+    for s, e in segments:
+        while s < e:
+            n = e - s if e - s <= cap else cap // page_size * page_size
+            if n == 0:
+                return []
+            spans.append((s, s + n))
+            s, cap = s + n, chunk
+    return spans
+
+
 def first_chunk(remaining: int, budget: int, page_size: int) -> int:
     """Tokens of a request's first chunk given the step's budget left: all of it, or whole pages (0: none fit)."""
     if remaining <= budget:
@@ -133,9 +155,9 @@ class Scheduler:
     """FIFO admission and per-step batch forming (module docstring).
 
     Entries are the engine's request records; the scheduler reads
-    ``tokens_np`` (int64 array), ``done`` (tokens whose KV exists),
-    ``ends`` (chunk ends fixed at admission), ``prefix_len`` (cache hit) and
-    keeps ``defers``.
+    ``tokens_np`` (int64 array), ``done`` (where the next chunk starts: the
+    leading tokens whose KV exists), ``ends`` (chunk ends fixed at
+    admission), ``prefix_len`` (cache hit) and keeps ``defers``.
     """
 
     def __init__(self, config: SchedulerConfig, page_size: int):

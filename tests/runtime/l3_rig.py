@@ -7,6 +7,7 @@ import torch
 from cpgraph.runtime.cache_engine import CacheEngine
 from cpgraph.runtime.hicache import payloads_of
 from cpgraph.runtime.radix import TokenKey
+from cpgraph.runtime.storage import PageStore
 
 PS = 16
 # Warm (cached prefix) vs cold logits: other GEMM shapes, so a tolerance (the same-shape rule, docs/cache.md).
@@ -50,3 +51,44 @@ def prefix_bytes(eng, tokens, pages):
 
 def same_bytes(got, want) -> bool:
     return len(got) == len(want) and all(torch.equal(a, b) for ga, wa in zip(got, want) for a, b in zip(ga, wa))
+
+
+class FailingGets(PageStore):
+    """A store whose ``get`` fails chosen positions of chosen batch calls (a backend that fails partway).
+
+    ``fail[k]``: positions of the k-th ``get`` call (0-based) that return
+    ``False`` although the inner store read them.  Everything else is the
+    inner store's.
+    """
+
+    def __init__(self, inner: PageStore, fail: dict[int, set[int]]):
+        super().__init__()
+        self.inner, self.fail, self.calls = inner, fail, []
+        self.name = f"failing({inner.name})"
+        self.stats = inner.stats
+
+    def register(self, buffer):
+        self.inner.register(buffer)
+
+    def exists(self, keys):
+        return self.inner.exists(keys)
+
+    def get(self, keys, parts):
+        out = list(self.inner.get(keys, parts))
+        bad = self.fail.get(len(self.calls), set())
+        self.calls.append(len(keys))
+        return [ok and j not in bad for j, ok in enumerate(out)]
+
+    def put(self, keys, parts):
+        return self.inner.put(keys, parts)
+
+    def close(self):
+        self.inner.close()
+
+
+def counting(forward, rows: list):
+    """``forward`` that appends each call's token count to ``rows`` (what a pass computed)."""
+    def fwd(ids, meta, mla, index, **kw):
+        rows.append(int(ids.numel()))
+        return forward(ids, meta, mla, index, **kw)
+    return fwd

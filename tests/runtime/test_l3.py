@@ -24,10 +24,13 @@ import pytest
 import torch
 
 from cpgraph.runtime.cache_engine import CacheEngine
+from cpgraph.runtime.hicache import payloads_of
+from cpgraph.runtime.l3 import L3Config
 from cpgraph.runtime.storage import file_store as fs
+from cpgraph.runtime.storage.file_store import FileStore
 
 sys.path.insert(0, os.path.dirname(__file__))
-from l3_rig import ATOL, PS, build_tiny, prefix_bytes, same_bytes  # noqa: E402
+from l3_rig import ATOL, PS, FailingGets, build_tiny, counting, prefix_bytes, same_bytes  # noqa: E402
 from l3_rig import prompts as tiny_prompts  # noqa: E402
 from l3_rig import engine as _engine  # noqa: E402
 
@@ -89,25 +92,80 @@ def test_other_weights_never_read_the_pages(tiny, stored, tmp_path):
     assert eng.l3.store.stats["get_pages"] == 0
 
 
-def test_failed_page_ends_the_restored_run(tiny, stored, tmp_path, monkeypatch):
-    """A batch get that fails partway: the pages before the failure are used, the rest are recomputed."""
+def _page_bytes(eng, pages):
+    views = [v for _, v in payloads_of(eng.pool)]
+    return [[v[int(p)].clone() for v in views] for p in pages]
+
+
+@pytest.mark.bitexact  # the hole and the suffix compute fewer rows per GEMM than the cold pass (docs/bitwise.md)
+def test_failed_pages_in_the_middle_are_the_only_ones_recomputed(tiny, tmp_path):
+    """A batch get that fails partway: the pages after a failed one are still used; only the failed ones run.
+
+    Cold engine and restoring engines in one test, under fixed-order matrix
+    products, so the warm logits and the recomputed pages equal the cold
+    ones bit for bit; the restored pages are copies (bitwise in any mode).
+    """
+    model, forward, prompts = tiny
+    cold_eng = _engine(tiny, f"file:{tmp_path / 'l3'}")
+    cold = cold_eng.prefill(prompts)
+    limits = [(len(p) - 1) // PS for p in prompts]
+    want = [prefix_bytes(cold_eng, p, n) for p, n in zip(prompts, limits)]
+    cold_eng.close()
+
+    # A batch of three: request 0 reads pages 0-3 and loses page 1 (shared with the others); request 1 then
+    # reads pages 1-2 itself; request 2 finds 0-1 in L1, reads 2-4 and loses page 3.
+    shutil.copytree(tmp_path / "l3", tmp_path / "a")
+    rows = []
+    store = FailingGets(FileStore(tmp_path / "a"), {0: {1}, 2: {1}})
+    eng = CacheEngine(counting(forward, rows), model, num_pages=48, page_size=PS, host_pages=48, l3=L3Config(store))
+    warm = eng.prefill(prompts)
+    assert store.calls == [4, 2, 3]
+    assert warm.hits == [{"device": 0, "host": 0, "l3": 48, "computed": 16 + 6},
+                         {"device": 16, "host": 0, "l3": 32, "computed": 1},
+                         {"device": 32, "host": 0, "l3": 32, "computed": 16 + 16}]
+    assert rows == [16 + 16, 6 + 1 + 16]  # one pass over the two holes, then the three suffixes
+    assert eng.l3.stats["fetched_pages"] == 7 and eng.l3.stats["fetch_failed_pages"] == 2
+    assert torch.equal(warm.logits, cold.logits)
+    for p, n, w in zip(prompts, limits, want):
+        assert same_bytes(prefix_bytes(eng, p, n), w)  # restored: copies; recomputed: the same rows
+    # No page leaked: L1 holds exactly the tree's pages; L2 only the nodes' copies (write_through).
+    assert eng.device.ledger.used[0] == eng.tree.device_pages_total
+    assert eng.hicache.host.ledger.used[0] == sum(n.num_pages for n in eng.tree.nodes() if n.host_pages is not None)
+
+    # One request with two holes: pages 1 and 3 of 0-4 lost; two hole passes, each over the pages before it.
+    shutil.copytree(tmp_path / "l3", tmp_path / "b")
+    rows.clear()
+    store = FailingGets(FileStore(tmp_path / "b"), {0: {1, 3}})
+    eng = CacheEngine(counting(forward, rows), model, num_pages=48, page_size=PS, host_pages=48, l3=L3Config(store))
+    res = eng.prefill(prompts[2:])
+    assert res.hits == [{"device": 0, "host": 0, "l3": 48, "computed": 16 + 16 + 16}] and rows == [16, 16, 16]
+    assert torch.equal(res.logits, cold.logits[2:])
+    assert same_bytes(prefix_bytes(eng, prompts[2], 5), want[2])
+    # A last page that fails is no hole: the suffix computation covers it.
+    shutil.copytree(tmp_path / "l3", tmp_path / "c")
+    rows.clear()
+    store = FailingGets(FileStore(tmp_path / "c"), {0: {4}})
+    eng = CacheEngine(counting(forward, rows), model, num_pages=48, page_size=PS, host_pages=48, l3=L3Config(store))
+    res = eng.prefill(prompts[2:])
+    assert res.hits[0]["l3"] == 64 and rows == [32]
+    assert torch.equal(res.logits, cold.logits[2:])
+
+
+def test_a_hole_with_no_room_to_restore_after_it_computes_from_the_prefix(tiny, stored, tmp_path):
+    """The pages after a hole need L1 pages of their own; without them the request computes past its prefix."""
     _, cold, _, _ = stored
-    eng = _engine(tiny, f"file:{_copy(stored, tmp_path)}")
-    real_get = eng.l3.store.get
-    calls = []
+    store = FailingGets(FileStore(_copy(stored, tmp_path)), {0: {1}})
+    eng = _engine(tiny, L3Config(store))
+    real, calls = eng.hicache.load_pages, []
 
-    def flaky(keys, parts):
-        out = real_get(keys, parts)
-        calls.append(len(keys))
-        if len(calls) == 1:
-            out[2] = False  # the third page of the first request's run does not arrive
-        return out
+    def second_fails(host_pages, owners):  # the head's load-back, then the tail's: e.g. a lane short after eviction
+        calls.append(len(owners))
+        return real(host_pages, owners) if len(calls) == 1 else None
 
-    monkeypatch.setattr(eng.l3.store, "get", flaky)
+    eng.hicache.load_pages = second_fails
     res = eng.prefill(tiny[2][:1])
-    assert calls[0] == 4 and res.hits[0] == {"device": 0, "host": 0, "l3": 32, "computed": 70 - 32}
-    assert eng.l3.stats["fetch_failed_pages"] == 2
-    assert eng.hicache.host.ledger.used.tolist() == [4]  # 2 fetched + 2 backed up; the failed ones were freed
+    assert calls == [1, 2] and res.hits[0] == {"device": 0, "host": 0, "l3": 16, "computed": 54}
+    assert eng.hicache.host.ledger.used[0] == sum(n.num_pages for n in eng.tree.nodes() if n.host_pages is not None)
     torch.testing.assert_close(res.logits, cold[:1], rtol=0, atol=ATOL)
 
 
@@ -122,7 +180,7 @@ def test_corrupt_object_is_recomputed_and_logged_once(tiny, stored, tmp_path, ca
     path.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING, logger="cpgraph"):
         res = probe.prefill(tiny[2][:1])
-    assert res.hits[0]["l3"] == 16 and res.hits[0]["computed"] == 54
+    assert res.hits[0]["l3"] == 48 and res.hits[0]["computed"] == 16 + 6  # only the corrupt page is recomputed
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "failed verification (checksum mismatch)" in warnings[0]
     torch.testing.assert_close(res.logits, cold[:1], rtol=0, atol=ATOL)
