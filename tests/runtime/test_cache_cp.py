@@ -22,6 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cp_model import CP_TIMEOUT_S, PAGE  # noqa: E402
 from dist_utils import close_shared_pools, shared_pool  # noqa: E402
 
@@ -112,3 +113,48 @@ def test_cache_hit_cp_equals_single_device(world, layout):
         assert r["lane_used"] == r["owned_in_tree"]
     bitwise = {n: bool(np.array_equal(r0[n]["logits"], cold)) for n in ("device", "host")}
     print(f"\ncp={world} {layout}: step seconds {r0['times']}; warm passes bit-identical to cold: {bitwise}; stats {r0['stats']}")
+
+
+def job_hole_on_one_rank(ctx, root):
+    from cp_model import compiled_cp, model_pair
+    from l3_rig import FailingGets, counting
+
+    from cpgraph.runtime.cache_engine import CacheEngine
+    from cpgraph.runtime.l3 import L3Config
+    from cpgraph.runtime.storage.file_store import FileStore
+
+    _, model = model_pair()
+    first, _ = _prompts()  # job_cache's batch: the compiled graphs of its passes are reused
+    kw = dict(num_pages=24, page_size=PAGE, rank=ctx.rank, cp_size=ctx.world_size, host_pages=24)
+    from torch._dynamo.utils import counters
+
+    fwd = compiled_cp(ctx, "aot_eager")
+    graphs = counters["stats"]["unique_graphs"]
+    cold_eng = CacheEngine(fwd, model, l3=f"file:{root}", **kw)
+    cold = cold_eng.prefill(first)
+    cold_eng.close()
+    rows = []
+    # Request 0's run is pages 0-3 with owners [0, 0, 1, 1]: rank 1 reads pages 2-3 first and loses page 2.
+    store = FailingGets(FileStore(root), {0: {0}} if ctx.rank == 1 else {})
+    eng = CacheEngine(counting(fwd, rows), model, l3=L3Config(store), **kw)
+    warm = eng.prefill(first)
+    _owner_check(eng, ctx.rank)
+    return {"cold": cold.logits.numpy(), "warm": warm.logits.numpy(), "hits": warm.hits, "calls": store.calls,
+            "passes": len(rows), "new_graphs": counters["stats"]["unique_graphs"] - graphs, "stats": dict(eng.l3.stats), "lane_used": int(eng.device.ledger.used[ctx.rank]),
+            "owned_in_tree": sum(int((n.device_pages >= 0).sum()) for n in eng.tree.nodes() if n.on_device)}
+
+
+def test_cp2_a_page_one_rank_fails_to_read_is_a_hole_on_both(tmp_path):
+    """An L3 page that only rank 1 fails to read is a hole on both ranks (the arrival bits are all-reduced MIN),
+    so both run the same hole pass and their collectives line up."""
+    results = shared_pool(2, CP_TIMEOUT_S).run(job_hole_on_one_rank, str(tmp_path / "l3"))
+    r0, r1 = results
+    assert r1["calls"][0] == 2  # rank 1 read only its own pages of request 0's run
+    for r in results:  # both ranks: page 2 recomputed in a pass of its own, page 3 restored after it
+        assert r["hits"][0] == {"device": 0, "host": 0, "l3": 48, "computed": 16 + 6}
+        assert r["stats"]["fetch_failed_pages"] == 1 and r["passes"] == 2
+        assert r["lane_used"] == r["owned_in_tree"]  # nothing leaked
+        assert r["hits"] == r0["hits"]
+    assert np.array_equal(r0["warm"], r1["warm"])
+    np.testing.assert_allclose(r0["warm"], r0["cold"], rtol=0, atol=1e-5)
+    print(f"\nhits {r0['hits']}; L3 {r0['stats']}; graphs compiled by the job: {r0['new_graphs']}")

@@ -59,3 +59,4 @@ def test_cp2_second_run_restores_owned_pages_from_l3(tmp_path, capsys):
     assert 0 < two["l3"]["store_stats"]["get_pages"] < 5
     np.testing.assert_allclose(two["logits"], one["logits"], rtol=0, atol=1e-5)
     assert two["max_abs_diff_vs_single_device"] <= 1e-5
+

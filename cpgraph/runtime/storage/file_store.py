@@ -1,19 +1,9 @@
 """The embedded default L3: one file per page object in a directory (local disk or a shared file system).
 
 Layout: ``DIR/cpgraph-l3-v1/<key[:2]>/<key>`` (256 fan-out directories).  A
-file is a 64-byte header followed by the object bytes:
-
-====== ===== ==================================================================
-offset bytes field
-====== ===== ==================================================================
-0      8     magic ``CPGRL3\\0\\1``
-8      4     format version (uint32 little-endian)
-12     4     CRC-32 of the object bytes
-16     8     object length in bytes
-24     32    the key (its 32 bytes; keys are 64 hex digits)
-56     4     CRC-32 of bytes 0-55
-60     4     zero
-====== ===== ==================================================================
+file is the 64-byte object header (:mod:`.object_header`: magic, version,
+CRC-32 of the bytes, length, key, CRC-32 of the header) followed by the
+object bytes.
 
 Why each rule:
 
@@ -56,20 +46,17 @@ import errno
 import itertools
 import os
 import threading
-import struct
 import time
 import uuid
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
 from .base import PageStore, Parts, check_parts
+from .object_header import HEADER_BYTES, check_header, encode_header, key_bytes
+from .object_header import crc as _crc
+from .object_header import views as _views
 
-MAGIC = b"CPGRL3\x00\x01"
-VERSION = 1
-HEADER = struct.Struct("<8sIIQ32s")  # magic, version, crc, length, key
-HEADER_BYTES = 64
 SUBDIR = "cpgraph-l3-v1"
 # A batch of fewer bytes runs on the calling thread (the hand-off would cost more than it saves).
 # Larger batches are cut into one contiguous run of objects per thread: a page of a production-shaped
@@ -82,34 +69,6 @@ TOUCH_NS = 10 * 10**9
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _TMP_IDS = itertools.count()  # with the pid and thread id: a temporary name no other writer uses
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
-
-
-def _views(parts: Parts) -> list[memoryview]:
-    return [memoryview(t.numpy()).cast("B") for t in parts]
-
-
-def _crc(views) -> int:
-    c = 0
-    for v in views:
-        c = zlib.crc32(v, c)
-    return c
-
-
-def encode_header(key_bytes: bytes, length: int, crc: int) -> bytes:
-    head = HEADER.pack(MAGIC, VERSION, crc, length, key_bytes)
-    head += struct.pack("<I", zlib.crc32(head))
-    return head + b"\x00" * (HEADER_BYTES - len(head))
-
-
-def decode_header(raw: bytes) -> tuple[int, int, bytes] | None:
-    """``(crc, length, key)`` of a well-formed header, else ``None``."""
-    if len(raw) != HEADER_BYTES:
-        return None
-    magic, version, crc, length, key = HEADER.unpack_from(raw)
-    (head_crc,) = struct.unpack_from("<I", raw, HEADER.size)
-    if magic != MAGIC or version != VERSION or head_crc != zlib.crc32(raw[: HEADER.size]):
-        return None
-    return crc, length, key
 
 
 def parse_size(text) -> int:
@@ -188,13 +147,7 @@ class FileStore(PageStore):
 
     @staticmethod
     def _key_bytes(key: str) -> bytes:
-        try:
-            raw = bytes.fromhex(key)
-        except ValueError:
-            raw = b""
-        if len(raw) != 32:
-            raise ValueError(f"FileStore: keys are 64 hex digits (cpgraph.runtime.storage.keys.page_key), got {key!r}")
-        return raw
+        return key_bytes(key, "FileStore")
 
     def _map(self, fn, items, sizes):
         items = list(items)
@@ -265,14 +218,10 @@ class FileStore(PageStore):
 
     def _read_verified(self, fd: int, key: str, parts: Parts, size: int) -> tuple[str | None, int]:
         """``(None, mtime_ns)`` when the object was read into ``parts`` and verified, else ``(what was wrong, 0)``."""
-        head = decode_header(os.pread(fd, HEADER_BYTES, 0))
-        if head is None:
-            return "bad header", 0
-        crc, length, key_bytes = head
-        if key_bytes != self._key_bytes(key):
-            return "header names another key", 0
-        if length != size:
-            return f"{length} bytes stored, {size} expected", 0
+        crc, problem = check_header(os.pread(fd, HEADER_BYTES, 0), self._key_bytes(key), size)
+        if problem is not None:
+            return problem, 0
+        length = size
         st = os.fstat(fd)
         if st.st_size != HEADER_BYTES + length:
             return f"file is {st.st_size} bytes, header + object are {HEADER_BYTES + length}", 0
@@ -319,9 +268,8 @@ class FileStore(PageStore):
             except OSError:
                 pass
             return "present"
-        key_bytes = self._key_bytes(key)
         views = _views(parts)
-        head = encode_header(key_bytes, size, _crc(views))
+        head = encode_header(self._key_bytes(key), size, _crc(views))
         tmp = os.path.join(os.path.dirname(path), f".tmp-{key}-{os.getpid()}-{threading.get_ident()}-{next(_TMP_IDS)}")
         try:
             try:

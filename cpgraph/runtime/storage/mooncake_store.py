@@ -10,6 +10,16 @@ from or into memory it registered.  So:
   ``batch_put_from_multi_buffers`` over the pool's rows: zero-copy, one
   batch call per run of pages.  A part outside registered memory has its
   whole tensor storage registered on first use.
+* every object is the 64-byte header of :mod:`.object_header` (key, length,
+  CRC-32 of the bytes) followed by the page's bytes, as in the file backend:
+  the header is one more byte range of the same batch call, from a small
+  registered slab.  A read checks that the store returned header + object,
+  that the header names this key and length, and the CRC-32 of the bytes
+  that landed in L2; anything else is a miss -- the object is removed from
+  the store, the reason logged once, the bytes never used.  The store keeps
+  bytes in memory and moves them over TCP or RDMA; the check covers a
+  faulty segment holder, a torn transfer and an object another writer left
+  under the name.
 * ``segment`` is how much memory *this* process contributes (default 0: it
   only uses the store).  Pages outlive a process only in segments of
   processes that keep running -- a store service per node
@@ -46,9 +56,13 @@ import time
 from typing import Sequence
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 
 from .base import PageStore, Parts, check_parts
+from .object_header import HEADER_BYTES, check_header, crc, encode_header, key_bytes, views
+
+log = logging.getLogger("cpgraph.storage")
 
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900
@@ -112,6 +126,7 @@ class MooncakeStore(PageStore):
         self._down_until = 0.0  # circuit open until then (monotonic)
         self._registered: list[tuple[int, int]] = []
         self._pending: list[torch.Tensor] = []  # registered before the store came up
+        self._headers = torch.zeros(0, HEADER_BYTES, dtype=torch.uint8)  # one row per object of a batch call
         self._connect()
 
     # -------------------------------------------------------- connection
@@ -206,8 +221,20 @@ class MooncakeStore(PageStore):
             return
         self._registered.append((ptr, n))
 
-    def _ptrs(self, parts: Parts) -> tuple[list[int], list[int]]:
-        ptrs, sizes = [], []
+    def _header_rows(self, n: int) -> torch.Tensor:
+        """``[n, 64]`` registered host rows for the headers of one batch call.
+
+        The slab grows by doubling; an outgrown slab stays alive (and
+        registered): memory a transport has registered is never freed under it.
+        """
+        if self._headers.shape[0] < n:
+            self._headers = torch.zeros(max(n, 2 * self._headers.shape[0], 256), HEADER_BYTES, dtype=torch.uint8)
+            self.register(self._headers)
+        return self._headers[:n]
+
+    def _ptrs(self, parts: Parts, header: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Byte ranges of one object: its header row, then its parts."""
+        ptrs, sizes = [header.data_ptr()], [HEADER_BYTES]
         for t in parts:
             p, n = t.data_ptr(), t.numel()
             if not any(a <= p and p + n <= a + m for a, m in self._registered):
@@ -231,38 +258,74 @@ class MooncakeStore(PageStore):
         if len(keys) != len(parts):
             raise ValueError(f"MooncakeStore.get: {len(keys)} key(s) but {len(parts)} part list(s)")
         sizes = [check_parts(p, "MooncakeStore.get") for p in parts]
+        raw_keys = [key_bytes(k, "MooncakeStore") for k in keys]
         if not keys or not self._ready():
             self.stats["get_misses"] += len(keys)
             return [False] * len(keys)
-        ptrs, lens = zip(*(self._ptrs(p) for p in parts))
+        heads = self._header_rows(len(keys))
+        ptrs, lens = zip(*(self._ptrs(p, heads[i]) for i, p in enumerate(parts)))
         codes = self._call(self._store.batch_get_into_multi_buffers, keys, ptrs, lens)
         if self._transport_failed(codes):
             self.stats["get_failures"] += len(keys)
             return [False] * len(keys)
         out = []
-        for code, size in zip(codes, sizes):
-            ok = int(code) == size
-            if ok:
-                self.stats["get_pages"] += 1
-                self.stats["get_bytes"] += size
-            elif int(code) == OBJECT_NOT_FOUND:
+        for i, (code, size) in enumerate(zip(codes, sizes)):
+            problem = None
+            if int(code) == HEADER_BYTES + size:
+                problem = self._verify(heads[i], raw_keys[i], parts[i], size)
+                if problem is None:
+                    self.stats["get_pages"] += 1
+                    self.stats["get_bytes"] += size
+                    out.append(True)
+                    continue
+            if int(code) == OBJECT_NOT_FOUND:
                 self.stats["get_misses"] += 1
+            elif problem is not None or int(code) >= 0:
+                self.stats["get_failures"] += 1
+                what = problem or f"{int(code)} bytes stored, {HEADER_BYTES + size} expected with the header"
+                self.warn_once("corrupt", f"object {keys[i]} failed verification ({what}); removed, never loaded, "
+                                          "the page is recomputed")
+                self._remove(keys[i])
             else:
                 self.stats["get_failures"] += 1
-                what = f"read {int(code)} of {size} bytes" if int(code) >= 0 else error_name(code)
-                self.warn_once(f"get_{int(code) if int(code) < 0 else 'short'}",
-                               f"a page read failed ({what}); the page is recomputed")
-            out.append(ok)
+                self.warn_once(f"get_{int(code)}", f"a page read failed ({error_name(code)}); the page is recomputed")
+            out.append(False)
         return out
+
+    @staticmethod
+    def _verify(header: torch.Tensor, key_raw: bytes, parts: Parts, size: int) -> str | None:
+        """What is wrong with an object read into ``header`` + ``parts``, or ``None``."""
+        checksum, problem = check_header(header.numpy().tobytes(), key_raw, size)
+        if problem is None and crc(views(parts)) != checksum:
+            problem = "checksum mismatch"
+        return problem
+
+    def _remove(self, key: str) -> None:
+        """Drop an object that failed verification, so a lookup misses it and a put can store it again.
+
+        ``force``: the read just took a lease on the object (a plain remove
+        answers -706, "has lease"); a corrupt object must go regardless.
+        """
+        try:
+            rc = self._store.remove(key, True)
+        except Exception as exc:  # noqa: BLE001  (a failed removal only costs a second failed read)
+            rc = str(exc)
+        if rc not in (0, OBJECT_NOT_FOUND):
+            log.debug("%s: removing %s failed (%s)", self.name, key, rc)
 
     def put(self, keys: Sequence[str], parts: Sequence[Parts]) -> list[bool]:
         if len(keys) != len(parts):
             raise ValueError(f"MooncakeStore.put: {len(keys)} key(s) but {len(parts)} part list(s)")
         sizes = [check_parts(p, "MooncakeStore.put") for p in parts]
+        raw_keys = [key_bytes(k, "MooncakeStore") for k in keys]
         if not keys or not self._ready():
             self.stats["put_skipped"] += len(keys)
             return [False] * len(keys)
-        ptrs, lens = zip(*(self._ptrs(p) for p in parts))
+        heads = self._header_rows(len(keys))
+        rows = heads.numpy()
+        for i, (p, size) in enumerate(zip(parts, sizes)):
+            rows[i] = np.frombuffer(encode_header(raw_keys[i], size, crc(views(p))), dtype=np.uint8)
+        ptrs, lens = zip(*(self._ptrs(p, heads[i]) for i, p in enumerate(parts)))
         codes = self._call(self._store.batch_put_from_multi_buffers, keys, ptrs, lens)
         if self._transport_failed(codes):
             self.stats["put_failures"] += len(keys)
