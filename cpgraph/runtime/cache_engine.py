@@ -31,10 +31,20 @@ With an L3 (``l3=``: a ``file:DIR`` / ``mooncake:HOST:PORT`` spec, a
 first looks past each request's radix hit for the longest run of pages the
 store holds, fetches it into L2 and attaches it to the tree, so the match
 that follows loads it back per layer like any L2 hit
-(:mod:`cpgraph.runtime.l3`).  Pages reach the store from L2: when a node is
+(:mod:`cpgraph.runtime.l3`).  A page that fails to arrive is a *hole*: the
+pages after it are loaded into the request's own L1 pages and only the
+failed pages are computed, each as an extend over the pages before it (one
+pass per hole index, before the suffix pass; :class:`PrefixMatch`).  Pages reach the store from L2: when a node is
 backed up (``write_through``) or when L2 drops it and at :meth:`CacheEngine.flush_l3`
-(``write_back``).  :meth:`CacheEngine.prefetch` runs the L3 step alone, for a
-server that wants a queued request's prefix in L2 before its admission.
+(``write_back``).  :meth:`CacheEngine.start_prefetch` /
+:meth:`CacheEngine.finish_prefetch` run the L3 step ahead of a request's
+admission, its reads on the L3 I/O thread (the serving engine does this for
+every queued request); :meth:`CacheEngine.prefetch` is its synchronous form.
+
+A serving engine admits requests one by one through the same public steps
+:meth:`CacheEngine.prefill` is made of: :meth:`CacheEngine.match`,
+:meth:`CacheEngine.alloc` per chunk, :meth:`CacheEngine.commit`,
+:meth:`CacheEngine.backup_inserted`, :meth:`CacheEngine.release`.
 
 With a ``draft`` forward (the MTP layer, docs/mtp.md) the pool holds one more
 logical layer (id ``num_hidden_layers``) in the same pages: a cached page
@@ -65,7 +75,7 @@ from cpgraph.plan import plan_prefill
 from .engine import _FORMATS, check_prompts, draft_pools, forward_batch, pool_config, pool_tensors
 from .hicache import DevicePages, HiCache, HostPool, LaneDeficit
 from .kv_pool import KVPool, KVPoolExhausted
-from .l3 import L3Config, L3Tier
+from .l3 import L3Config, L3Tier, PendingFetch
 from .radix import RadixCache, RadixNode, TokenKey, check_consistent
 from .storage import store_fingerprint, weights_identity
 
@@ -97,6 +107,24 @@ class _L3Tail:
     host_pages: np.ndarray  # this rank's L2 page per page of the tail (-1: another rank's, or did not arrive)
     owners: np.ndarray  # owner per page, as stored
     arrived: np.ndarray  # bool per page, the same on every rank; the tail ends on an arrived page
+
+
+@dataclass
+class L3Prefetch:
+    """One prompt's L3 fetch between :meth:`CacheEngine.start_prefetch` and its :meth:`CacheEngine.match`."""
+
+    tokens: list
+    key: TokenKey
+    start: int  # logical page after the radix hit where the fetched run begins
+    pending: PendingFetch | None  # reads not agreed on yet (None once finished)
+    owners: np.ndarray  # owner per page of the run, as stored
+    node: RadixNode | None = None  # the attached L2-only node: the pages before the first failed one
+    head_pages: int = 0
+    tail: _L3Tail | None = None  # the pages that arrived after a failed one
+
+    @property
+    def fetching(self) -> bool:
+        return self.pending is not None
 
 
 @dataclass
@@ -278,52 +306,59 @@ class CacheEngine:
             self.tree.evict_host(1 << 62, self._release_host)
 
     # ----------------------------------------------------------------- prefill
-    def _fetch_l3(self, req: PrefixMatch, limit: int) -> tuple[RadixNode | None, _L3Tail | None]:
-        """Fetch the L3-resident pages right after ``req``'s radix hit into L2: ``(attached node, tail)``.
+    def _start_l3(self, tokens: list, key: TokenKey, background: bool) -> "L3Prefetch | None":
+        """Look up the L3-resident pages right after the prompt's radix hit and start reading them into L2.
 
-        The pages before the first one that failed to arrive are attached
-        to the tree as an L2-only node; the pages that arrived after it (the
-        tail) stay in L2 outside the tree until :meth:`_restore_tail` loads
-        them.  Every condition here depends only on rank-identical state
-        (tokens, tree, mirrored ledgers, the agreed arrival bits), so all CP
-        ranks take the same branch and issue the same collectives inside
-        :meth:`L3Tier.lookup` / :meth:`L3Tier.fetch`.
+        ``None`` when there is nothing to fetch.  Every condition here
+        depends only on rank-identical state (tokens, tree, mirrored
+        ledgers), so all CP ranks take the same branch and issue the same
+        collectives inside :meth:`L3Tier.lookup`.
         """
-        m = self.tree.match_prefix(req.key, max_pages=limit)
+        limit = (len(tokens) - 1) // self.page_size
+        m = self.tree.match_prefix(key, max_pages=limit)
         start = sum(n.num_pages for n in m.nodes)
-        if start >= limit or self.tree.extends_past(req.key, start):
-            return None, None  # all cached, or the tree goes on (an MTP draft back-off): nothing for L3 to add
+        if start >= limit or self.tree.extends_past(key, start):
+            return None  # all cached, or the tree goes on (an MTP draft back-off): nothing for L3 to add
         if not all(n.device_pages is not None or self.hicache.usable_from_host(n) for n in m.nodes):
-            return None, None
-        digests = self.l3.chain(req.tokens, limit)[start:]
+            return None
+        digests = self.l3.chain(tokens, limit)[start:]
         owners = self.l3.lookup(digests)
         if owners.size == 0:
-            return None, None
+            return None
         anchor = m.nodes[-1] if m.nodes else None
         if anchor is not None:
-            self.tree.inc_lock(anchor)  # L2 room for the fetch must not come from this request's own path
+            self.tree.inc_lock(anchor)  # L2 room for the fetch must not come from this prompt's own path
         try:
-            got = self.l3.fetch(digests[: owners.size], owners)
+            pending = self.l3.start_fetch(digests[: owners.size], owners, background=background)
         finally:
             if anchor is not None:
                 self.tree.dec_lock(anchor)
-        if got is None:
-            return None, None
-        hp, arrived = got
-        n = int(hp.size)
-        owners = owners[:n]
+        return None if pending is None else L3Prefetch(tokens, key, start, pending, pending.owners)
+
+    def _finish_l3(self, pf: "L3Prefetch") -> None:
+        """Agree on what arrived; attach the pages before the first failed one to the tree as an L2-only node.
+
+        The pages that arrived after it (the tail) stay in L2 outside the
+        tree, in ``pf.tail``, until :meth:`match` restores them.  A fetch
+        started ahead of admission is attached only if the tree still holds
+        exactly the prompt's first ``pf.start`` pages (other requests may
+        have cached or evicted pages meanwhile); else its pages are freed.
+        """
+        hp, arrived = self.l3.finish_fetch(pf.pending)
+        pf.pending = None
+        owners, n, ps = pf.owners, int(hp.size), self.page_size
+        if (pf.start and not self.tree.extends_past(pf.key, pf.start - 1)) or self.tree.extends_past(pf.key, pf.start):
+            self.hicache.host.free(hp[arrived], owners[arrived])  # (-1 where another rank owns a page)
+            return
         cut = int(np.argmin(arrived)) if not arrived.all() else n
-        tail = None
         if cut < n and arrived[cut:].any():
             last = n - int(np.argmax(arrived[::-1]))  # the tail ends on its last arrived page
-            tail = _L3Tail(start + cut, hp[cut:last], owners[cut:last], arrived[cut:last].copy())
-        head = None
+            pf.tail = _L3Tail(pf.start + cut, hp[cut:last], owners[cut:last], arrived[cut:last].copy())
         if cut:
-            end = start + cut
-            head = self.tree.attach_host(req.key[: end * self.page_size], start, hp[:cut], owners[:cut],
-                                         self.hicache.host.required_payloads,
-                                         next_token=int(req.tokens[end * self.page_size]))
-        return head, tail
+            end = pf.start + cut
+            pf.node = self.tree.attach_host(pf.key[: end * ps], pf.start, hp[:cut], owners[:cut],
+                                            self.hicache.host.required_payloads, next_token=int(pf.tokens[end * ps]))
+            pf.head_pages = cut
 
     def _drop_tail(self, tail: _L3Tail) -> None:
         """Give back a tail's L2 pages (the fetch already freed those of the pages that did not arrive)."""
@@ -355,22 +390,35 @@ class CacheEngine:
         req.loads.append(handle)
         req.l3_hit += int(sel.sum()) * self.page_size
 
-    def match(self, tokens: Sequence[int], key: TokenKey | None = None) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], key: TokenKey | None = None, *, prefetched: "L3Prefetch | None" = None,
+              fetch_l3: bool = True) -> PrefixMatch:
         """Admission of one prompt: L3 fetch past the radix hit, radix match, L1 locks, L2 load-backs.
 
         At most ``(len - 1) // page_size`` pages (one token is always
         computed, for the logits).  The L1 part is locked, the usable L2 run
         after it loaded back (layer L's compute waits only for layer L's
         copy, ``kv_layer_ready``), pages from L3 after a failed one restored
-        (:class:`PrefixMatch`).  Every CP rank must make the same calls in
-        the same order (the L3 step runs collectives).  The caller ends with
-        :meth:`commit` then :meth:`release`, or :meth:`release` alone.
+        (:class:`PrefixMatch`).  The L3 step is the fetch ``prefetched``
+        (finished; :meth:`start_prefetch`) when given, else a fetch made now
+        unless ``fetch_l3`` is False.  Every CP rank must make the same calls
+        in the same order (an L3 fetch runs collectives).  The caller ends
+        with :meth:`commit` then :meth:`release`, or :meth:`release` alone.
         """
         tokens = list(tokens)
         req = PrefixMatch(tokens, key if key is not None else TokenKey(tokens))
         ps = self.page_size
         limit = (len(tokens) - 1) // ps
-        fetched, tail = self._fetch_l3(req, limit) if self.l3 is not None else (None, None)
+        pf = prefetched
+        if pf is not None and pf.pending is not None:
+            raise ValueError("CacheEngine.match: finish_prefetch the prefetch first (every rank, same order)")
+        if pf is None and fetch_l3 and self.l3 is not None:
+            pf = self._start_l3(tokens, req.key, background=False)
+            if pf is not None:
+                self._finish_l3(pf)
+        tail, fetched = None, (0, 0)
+        if pf is not None:
+            tail, pf.tail = pf.tail, None  # the match takes it over
+            fetched = (pf.start, pf.start + pf.head_pages)
         m = self.tree.match_prefix(req.key, max_pages=limit)
         nodes = m.device_nodes
         if nodes:
@@ -392,8 +440,11 @@ class CacheEngine:
                     req.loads.append(handle)  # layer L's compute waits for layer L's copy only (kv_layer_ready)
                     req.locks.append(run[-1])
                     nodes = nodes + run
-                    req.l3_hit = sum(n.num_pages for n in run if n is fetched) * ps
-                    req.host_hit = sum(n.num_pages for n in run) * ps - req.l3_hit
+                    # The pages of the run that the L3 fetch brought (by position: later matches may split nodes).
+                    first = m.device_len // ps
+                    last = first + sum(n.num_pages for n in run)
+                    req.l3_hit = max(0, min(last, fetched[1]) - max(first, fetched[0])) * ps
+                    req.host_hit = (last - first) * ps - req.l3_hit
         if nodes:
             req.prefix_pages = np.concatenate([n.device_pages for n in nodes])
             req.prefix_owners = np.concatenate([n.page_owners for n in nodes]).astype(np.int64)
@@ -539,22 +590,58 @@ class CacheEngine:
     def prefetch(self, token_lists: Sequence[Sequence[int]]) -> list[int]:
         """Fetch each prompt's L3-resident prefix (past its radix hit) into L2 now; returns tokens fetched per prompt.
 
-        For a server: call it when a request is queued, so its admission
-        (:meth:`prefill`) finds the prefix in L2.  Every CP rank must call it
-        with the same prompts (it runs the lookup collectives).  Without an
-        L3 it fetches nothing.
+        The synchronous form of :meth:`start_prefetch` + :meth:`finish_prefetch`:
+        the pages stay in L2 as cache, where a later :meth:`prefill` or
+        :meth:`match` finds them (as ``host`` hits); pages after a failed
+        one are not kept (the tree cannot hold them).  Every CP rank must
+        call it with the same prompts (it runs the lookup collectives).
+        Without an L3 it fetches nothing.
         """
         out = []
         for tokens in token_lists:
             tokens = list(tokens)
-            node = None
+            pf = None
             if self.l3 is not None and len(tokens) > self.page_size:
-                node, tail = self._fetch_l3(PrefixMatch(tokens, TokenKey(tokens)),
-                                            (len(tokens) - 1) // self.page_size)
-                if tail is not None:  # pages after a failed one have no place in the tree yet: admission fetches them
-                    self._drop_tail(tail)
-            out.append(node.num_pages * self.page_size if node is not None else 0)
+                pf = self._start_l3(tokens, TokenKey(tokens), background=False)
+            if pf is None:
+                out.append(0)
+                continue
+            self._finish_l3(pf)
+            out.append(pf.head_pages * self.page_size if pf.node is not None else 0)
+            self.drop_prefetch(pf)
         return out
+
+    def start_prefetch(self, tokens: Sequence[int], key: TokenKey | None = None) -> "L3Prefetch | None":
+        """Start fetching a queued prompt's L3-resident prefix into L2 on the L3 I/O thread; ``None``: nothing to fetch.
+
+        For a scheduler: call it when a request is queued, go on computing
+        other requests, then :meth:`finish_prefetch` before the request's
+        :meth:`match` (``prefetched=``), so the read overlapped the compute.
+        The lookup runs now (every CP rank, same order: it is a collective);
+        the L2 pages stay allocated, outside the tree, until the finish.
+        """
+        if self.l3 is None or len(tokens) <= self.page_size:
+            return None
+        tokens = list(tokens)
+        return self._start_l3(tokens, key if key is not None else TokenKey(tokens), background=True)
+
+    def finish_prefetch(self, pf: "L3Prefetch") -> int:
+        """Wait for ``pf``'s reads, agree on what arrived (CP: a collective), attach it; returns the tokens kept."""
+        if pf.pending is not None:
+            self._finish_l3(pf)
+        kept = pf.head_pages if pf.node is not None else 0
+        if pf.tail is not None:
+            kept += int(pf.tail.arrived.sum())
+        return kept * self.page_size
+
+    def drop_prefetch(self, pf: "L3Prefetch") -> None:
+        """Give back what ``pf`` holds outside the tree (reads in flight, a tail); rank-local, no collectives."""
+        if pf.pending is not None:
+            self.l3.discard(pf.pending)
+            pf.pending = None
+        if pf.tail is not None:
+            self._drop_tail(pf.tail)
+            pf.tail = None
 
     def flush_l3(self) -> int:
         """Store every cached node that has no L3 copy yet (L1-only nodes are backed up to L2 first, room permitting).
@@ -576,7 +663,7 @@ class CacheEngine:
         """Release the L3 store (idempotent); the engine keeps working without it."""
         if self.l3 is not None:
             self.hicache.before_host_evict = None
-            self.l3.store.close()
+            self.l3.close()
             self.l3 = None
 
 

@@ -39,6 +39,8 @@ down just answers "not held".  One device: no collectives.
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -84,6 +86,26 @@ class L3Config:
         return self.store if isinstance(self.store, PageStore) else open_store(self.store)
 
 
+@dataclass
+class PendingFetch:
+    """A fetch between :meth:`L3Tier.start_fetch` and :meth:`L3Tier.finish_fetch`: its L2 pages are allocated
+    (outside the tree) and this rank's reads are done (``got``) or running on the I/O thread (``future``)."""
+
+    host_pages: np.ndarray  # this rank's L2 page per page of the run (-1: another rank's)
+    owners: np.ndarray
+    mine: np.ndarray  # indices of this rank's pages
+    got: list | None = None
+    future: Future | None = None
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def result(self) -> list:
+        if self.got is None and self.future is not None:
+            self.got = self.future.result()
+        return self.got if self.got is not None else []
+
+
 class L3Tier:
     """One rank's L3: keys, lookup, fetch into L2, store from L2 (module docstring)."""
 
@@ -98,6 +120,8 @@ class L3Tier:
         self.group, self.device = group, torch.device(device)
         self.stats = {"lookup_pages": 0, "fetched_pages": 0, "fetch_failed_pages": 0, "stored_pages": 0,
                       "store_failed_pages": 0}
+        self._lock = threading.Lock()
+        self._io: ThreadPoolExecutor | None = None  # one thread: reads started by start_fetch(background=True)
         for t in self.host.tensors():
             store.register(t)
         if write_policy == "write_back":
@@ -138,7 +162,8 @@ class L3Tier:
             held = self._leading_held(digests)[None, :]
         else:  # a rank holds only the pages it owned: its own misses say nothing, so ask about every page
             self.stats["lookup_pages"] += n
-            held = self._gather(np.asarray(self.store.exists([self.key(d, self.rank) for d in digests]), dtype=bool))
+            held = self._gather(np.asarray(self._store_call(self.store.exists, [self.key(d, self.rank) for d in digests]),
+                                           dtype=bool))
         anyone = held.any(axis=0)
         run = int(np.argmin(anyone)) if not anyone.all() else n
         return np.argmax(held[:, :run], axis=0).astype(np.int64)  # the lowest rank holding each page
@@ -154,7 +179,8 @@ class L3Tier:
         start, chunk = 0, 1
         while start < n:
             stop = min(n, start + chunk)
-            got = np.asarray(self.store.exists([self.key(d, 0) for d in digests[start:stop]]), dtype=bool)
+            got = np.asarray(self._store_call(self.store.exists, [self.key(d, 0) for d in digests[start:stop]]),
+                             dtype=bool)
             self.stats["lookup_pages"] += stop - start
             held[start:stop] = got
             if not got.all():
@@ -174,24 +200,44 @@ class L3Tier:
         (the leading pages that fit); ``None`` when L2 has no room at all,
         even after dropping least-recently-used L2-only leaves.
         """
+        pending = self.start_fetch(digests, owners)
+        return None if pending is None else self.finish_fetch(pending)
+
+    def start_fetch(self, digests: Sequence[bytes], owners: np.ndarray, *,
+                    background: bool = False) -> "PendingFetch | None":
+        """:meth:`fetch`'s first half: allocate the L2 pages and read into them (on the I/O thread if
+        ``background``); rank-identical up to the reads, which :meth:`finish_fetch` agrees on."""
         owners = np.asarray(owners, dtype=np.int64)
-        n = owners.shape[0]
         hp = self.hicache.alloc_host(owners)
         if hp is None:
             fit = self._pages_that_fit(owners)  # identical on every rank: the ledger is mirrored
             if fit == 0:
                 return None
-            owners, digests, n = owners[:fit], digests[:fit], fit
+            owners, digests = owners[:fit], digests[:fit]
             hp = self.hicache.alloc_host(owners)
             if hp is None:
                 return None
-        ok = np.ones(n, dtype=bool)
         mine = np.flatnonzero(hp >= 0)
+        pending = PendingFetch(hp, owners, mine)
         if mine.size:
             self._host_quiet()
-            got = self.store.get([self.key(digests[j], self.rank) for j in mine],
-                                 [self.host.page_parts(int(hp[j])) for j in mine])
-            ok[mine] = np.asarray(got, dtype=bool)
+            keys = [self.key(digests[j], self.rank) for j in mine]
+            parts = [self.host.page_parts(int(hp[j])) for j in mine]
+            if background:
+                if self._io is None:
+                    self._io = ThreadPoolExecutor(1, thread_name_prefix="cpgraph-l3-io")
+                pending.future = self._io.submit(self._store_call, self.store.get, keys, parts)
+            else:
+                pending.got = self._store_call(self.store.get, keys, parts)
+        return pending
+
+    def finish_fetch(self, pending: "PendingFetch") -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`fetch`'s second half: wait for this rank's reads, agree on the arrivals (CP), free the failed."""
+        hp, owners = pending.host_pages, pending.owners
+        n = owners.shape[0]
+        ok = np.ones(n, dtype=bool)
+        if pending.mine.size:
+            ok[pending.mine] = np.asarray(pending.result(), dtype=bool)
         if self.cp_size > 1:
             ok = self._all_min(ok)
         arrived = int(ok.sum())
@@ -202,6 +248,24 @@ class L3Tier:
             self.host.free(hp[~ok], owners[~ok])
             hp = np.where(ok, hp, -1)
         return hp, ok
+
+    def discard(self, pending: "PendingFetch") -> None:
+        """Give back a started fetch's L2 pages without using them (rank-local: no agreement needed)."""
+        if pending.mine.size:
+            pending.result()  # never free rows the I/O thread is still writing
+        self.host.free(pending.host_pages, pending.owners)
+
+    def _store_call(self, fn, *args):
+        """Store calls run one at a time: the engine thread's puts and lookups beside the I/O thread's reads."""
+        with self._lock:
+            return fn(*args)
+
+    def close(self) -> None:
+        """Wait for the I/O thread, then release the store (idempotent)."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        self.store.close()
 
     def _host_quiet(self) -> None:
         """Wait for HiCache's side stream before the host touches L2 rows (CUDA; a no-op on CPU).
@@ -260,7 +324,7 @@ class L3Tier:
             spans.append((node, begin, len(keys), len(digests) == node.num_pages))
         if keys:
             self._host_quiet()
-        ok = np.asarray(self.store.put(keys, parts) if keys else [], dtype=bool)
+        ok = np.asarray(self._store_call(self.store.put, keys, parts) if keys else [], dtype=bool)
         stored = int(ok.sum())
         self.stats["stored_pages"] += stored
         self.stats["store_failed_pages"] += int(ok.size - stored)

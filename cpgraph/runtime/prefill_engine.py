@@ -29,12 +29,22 @@ room: the pool's lane ledger returns to what it was before the request was
 admitted.  (A load-back from L2 that its match triggered stays in L1 as
 cache: it is the cache's page, not the request's.)
 
+**L3** (``l3=``).  A step begins with an *L3 phase* (:meth:`_l3_phase`): the
+fetches started in the step before are finished, and the queued requests
+not looked up yet are -- their prefix's reads start on the L3 I/O thread
+and overlap this step's forward (finished at once when nothing runs).  A
+request is admitted once its reads have landed; others may pass it
+meanwhile.  Pages after one that failed to arrive are restored and the
+failed ones computed as chunks of their own (holes, docs/cache.md).
+
 **CP.**  Every rank of a CP group holds an engine over its own pool.  Rank 0
 (the *leader*) runs the scheduler; every decision that changes the cache is
-an *op* (``admit``, ``unadmit``, ``cancel``, ``run``) applied on the leader
-as it is taken and sent, once per step, to the other ranks in one broadcast
-over ``control_group``; they apply the same ops in the same order
-(:meth:`follow`).  The radix tree, LRU clock, lane ledger and plans are
+an *op* (``admit``, ``unadmit``, ``cancel``, ``run``, ``evict``,
+``l3_drop``) applied on the leader as it is taken and sent, once per step,
+to the other ranks in one broadcast over ``control_group``; they apply the
+same ops in the same order (:meth:`follow`).  The L3 phase's ops
+(``l3_fetch``, ``l3_done``) run collectives, so the leader broadcasts them
+first, in a broadcast of their own, and applies them after.  The radix tree, LRU clock, lane ledger and plans are
 functions of that op sequence alone, so every rank takes the same eviction
 and allocation decisions and runs the same plan -- the forward's
 collectives line up.  Only the leader samples and answers.
@@ -71,7 +81,7 @@ from .radix import TokenKey, check_consistent
 from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
                        RequestHandle, RequestResult, _Stats, engine_request)
 from .sampling import Sampling, choose_first_token
-from .scheduler import Scheduler, SchedulerConfig, chunk_owners, chunk_spans, lane_pages
+from .scheduler import Scheduler, SchedulerConfig, chunk_owners, chunk_spans, lane_pages, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +106,7 @@ class _Live:
         self.own_owners: list[np.ndarray] = []
         self.reserve: np.ndarray | None = None
         self.cancel_reason: str | None = None
+        self.l3_checked = False  # leader: its L3 lookup ran (a prefetch started, or nothing to fetch)
         self.t_submit, self.t_admit, self.deadline = now, None, deadline
         self.transfer_s, self.transfer_ok, self.sent_pages, self.chunks = 0.0, True, 0, 0
 
@@ -141,6 +152,8 @@ class PrefillEngine:
         self._inbox: list[_Live] = []
         self._cancels: list[tuple[int, str]] = []
         self._live: dict[int, _Live] = {}
+        # L3 prefetches of queued requests by id, on every rank (started, then finished, by L3-phase ops).
+        self._prefetches: dict = {}
         self._stopped = False
         self.stats = self._new_stats()
 
@@ -266,18 +279,24 @@ class PrefillEngine:
             live = self._live.get(rid)
             if live is not None and live.cancel_reason is None:
                 live.cancel_reason = reason
-        for live in list(self._live.values()):
+        for live in self._live.values():
             if live.cancel_reason is None and live.deadline is not None and now >= live.deadline:
                 live.cancel_reason = TIMEOUT
+        if self.cache.l3 is not None:
+            self._l3_phase()
+        for live in list(self._live.values()):
             if live.cancel_reason is not None:
-                if live.match is None:  # still waiting: no other rank has seen it
+                if live.match is None:  # still waiting: other ranks know it only by its prefetch, if any
                     self.scheduler.remove(live)
                     del self._live[live.id]
+                    if live.id in self._prefetches:
+                        self._log(ops, ("l3_drop", live.id))
                     finished.append(self._close(live, live.cancel_reason))
                 else:
                     self._log(ops, ("cancel", live.id))
                     finished.append(self._close(live, live.cancel_reason))
-        batch = self.scheduler.next_step(lambda e, budget: self._leader_admit(e, budget, ops))
+        ready = self._l3_ready if self.cache.l3 is not None else None
+        batch = self.scheduler.next_step(lambda e, budget: self._leader_admit(e, budget, ops), ready)
         run = ("run", [(e.id, s, end) for e, s, end in batch])
         if batch:
             ops.append(run)
@@ -325,8 +344,12 @@ class PrefillEngine:
 
     def close(self) -> None:
         """Every rank, after the last step (leader: after :meth:`stop_followers`; followers: after
-        :meth:`follow` returns): store what L3 lacks, then release the store.  Idempotent; rank-local
-        (no collectives), and every rank reaches it after the same op sequence, so their trees agree."""
+        :meth:`follow` returns): give back the L3 prefetches of requests never admitted, store what L3
+        lacks, then release the store.  Idempotent; rank-local (no collectives), and every rank reaches
+        it after the same op sequence, so their trees and ledgers agree."""
+        for pf in self._prefetches.values():
+            self.cache.drop_prefetch(pf)
+        self._prefetches.clear()
         self.cache.flush_l3()
         self.cache.close()
 
@@ -353,6 +376,46 @@ class PrefillEngine:
                 hi = mid - 1
         return lo
 
+    def _l3_phase(self) -> None:
+        """Leader, at the start of a step: the L3 reads of queued requests, as ops every rank applies together.
+
+        Why a phase of its own: an L3 lookup and the agreement on what
+        arrived are collectives, so every rank must run them at the same
+        point -- the leader broadcasts these ops first and applies them
+        after, instead of applying as it decides (as for the other ops, which
+        touch only rank-local state).  Admission (``match``) then does no L3
+        I/O.  Per step: every fetch started in an earlier step is finished
+        (its reads ran on the L3 I/O thread during that step's forward), and
+        the requests in line (up to one step's worth) that were not looked
+        up yet are: their fetch starts now, and is finished at once when
+        the engine has nothing running to overlap it with.  A request whose
+        prompt shares a page with a fetch started in this phase waits for
+        that one to land (it would read the same pages) and is looked up in
+        the next step.
+        """
+        ops = [("l3_done", rid) for rid, pf in self._prefetches.items() if pf.fetching]
+        idle = not self.scheduler.running
+        started: list[_Live] = []
+        for live in list(self.scheduler.waiting)[: self.scheduler.config.max_batch_requests]:
+            if live.l3_checked or live.cancel_reason is not None:
+                continue
+            if not idle and any(shared_prefix(live.tokens_np, o.tokens_np) >= self.page_size for o in started):
+                continue
+            ops.append(("l3_fetch", live.id, live.tokens, idle))
+            live.l3_checked = True
+            started.append(live)
+        if not ops:
+            return
+        if self.cp_size > 1:
+            self._broadcast(ops)
+        for op in ops:
+            self._apply(op)
+
+    def _l3_ready(self, live: _Live) -> bool:
+        """May ``live`` be admitted now: looked up in L3, and no read of its prefix still in flight."""
+        pf = self._prefetches.get(live.id)
+        return live.l3_checked and (pf is None or not pf.fetching)
+
     def _broadcast(self, ops: list | None) -> list:
         import torch.distributed as dist
 
@@ -366,7 +429,18 @@ class PrefillEngine:
 
     def _apply(self, op: tuple) -> None:
         kind = op[0]
-        if kind == "admit":
+        if kind == "l3_fetch":
+            _, rid, tokens, now = op
+            pf = self.cache.start_prefetch(tokens)
+            if pf is not None:
+                self._prefetches[rid] = pf
+                if now:
+                    self.cache.finish_prefetch(pf)
+        elif kind == "l3_done":
+            self.cache.finish_prefetch(self._prefetches[op[1]])
+        elif kind == "l3_drop":
+            self.cache.drop_prefetch(self._prefetches.pop(op[1]))
+        elif kind == "admit":
             _, rid, tokens, room, budget = op
             live = self._live.get(rid)
             if live is None:  # a follower sees the request for the first time
@@ -376,6 +450,7 @@ class PrefillEngine:
             live = self._live[op[1]]
             self._release(live)
             live.match, live.starts, live.ends, live.prefix_len, live.done = None, [], [], 0, 0
+            live.l3_checked = False  # looked up again before its next try: its prefetch went into this match
             if not self.is_leader:
                 del self._live[op[1]]  # the leader re-sends the tokens with its next try
         elif kind == "cancel":
@@ -384,8 +459,8 @@ class PrefillEngine:
             if live.room is not None and self.transfer is not None:
                 self.transfer.abort(live.room)
         elif kind == "evict":
-            if self._live:
-                raise RuntimeError("prefill engine: the cache is reset only while no request is admitted")
+            if self._live or self._prefetches:
+                raise RuntimeError("prefill engine: the cache is reset only while no request is admitted or queued")
             self.cache.clear()
         else:
             raise ValueError(f"prefill engine: unknown op {kind!r}")
@@ -397,7 +472,8 @@ class PrefillEngine:
         Identical on every rank.  ``live.ends`` stays empty when not even the first chunk fits the budget.
         """
         ps = self.page_size
-        m = self.cache.match(live.tokens, live.key)  # the cache engine's own match: same limits, locks and rules
+        # The cache engine's own match (same limits, locks and rules); its L3 part was fetched in the L3 phase.
+        m = self.cache.match(live.tokens, live.key, prefetched=self._prefetches.pop(live.id, None), fetch_l3=False)
         live.match = m
         live.prefix_len = m.cached_pages * ps
         live.next_chunk = 0

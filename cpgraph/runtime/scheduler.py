@@ -22,6 +22,11 @@ so every rule below is testable without a model.
   requests are admitted in arrival order; when the one in line does not fit
   (pages or budget), nobody behind it is admitted in this step, so a stream of
   short requests cannot overtake a long one indefinitely.
+* **Prefixes on their way from L3.**  A waiting request whose cached prefix
+  is being read from the L3 page store into L2 (started when it was queued,
+  overlapping the steps before its admission) is not admitted until the read
+  has landed, one step later; the requests behind it may pass it meanwhile
+  (it keeps its place in line).
 * **Shared prefixes in flight.**  A waiting request whose leading pages
   (``defer_shared_tokens`` or more, beyond the other request's own cache hit)
   are being computed in this step by a request that finishes in this step
@@ -195,8 +200,14 @@ class Scheduler:
                 return True
         return False
 
-    def next_step(self, admit: Callable[[object, int], bool]) -> list[tuple[object, int, int]]:
-        """``[(entry, start, end)]``: the chunks of the next step (may be empty)."""
+    def next_step(self, admit: Callable[[object, int], bool],
+                  ready: Callable[[object], bool] | None = None) -> list[tuple[object, int, int]]:
+        """``[(entry, start, end)]``: the chunks of the next step (may be empty).
+
+        ``ready(entry)`` False: the waiting entry cannot be admitted in this
+        step (its prefix is still being fetched from L3); it keeps its place
+        and the requests behind it may pass it.
+        """
         cfg = self.config
         budget, batch, finishing = cfg.token_budget, [], []
         for e in self.running:
@@ -211,6 +222,8 @@ class Scheduler:
         for e in list(self.waiting):
             if len(batch) == cfg.max_batch_requests or budget == 0:
                 break
+            if ready is not None and not ready(e):
+                continue
             if self._shares_in_flight(e, finishing):
                 e.defers += 1
                 continue

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 TOL = 2e-5
 
 
-def job_serve_cp(ctx, prompts, port_file, stop_file):
+def job_serve_cp(ctx, prompts, port_file, stop_file, **engine_kw):
     from cp_model import compiled_cp, model_pair
 
     from cpgraph.models.prefill import prefill_logits
@@ -49,7 +49,7 @@ def job_serve_cp(ctx, prompts, port_file, stop_file):
 
     _, model = model_pair()
     engine = PrefillEngine(compiled_cp(ctx, "aot_eager"), model, num_pages=48, page_size=PAGE, rank=ctx.rank,
-                           cp_size=ctx.world_size, scheduler=SchedulerConfig(token_budget=64))
+                           cp_size=ctx.world_size, scheduler=SchedulerConfig(token_budget=64), **engine_kw)
     out = {}
     if ctx.rank == 0:
         server = PrefillServer(engine, served=("cp-model",), heartbeat=1.0).start_background()
@@ -64,6 +64,7 @@ def job_serve_cp(ctx, prompts, port_file, stop_file):
         out["outcomes"] = engine.snapshot()["outcomes"]
     else:
         engine.follow()
+        engine.close()  # as cpgraph serve's followers do: the leader's engine thread closes its own
     out["used"] = engine.cache.device.ledger.used.tolist()
     out["fingerprint"] = engine.cache.tree.fingerprint()
     out["pages_in_pool"] = engine.cache.pool.config.num_pages - engine.cache.pool.num_free
@@ -108,3 +109,39 @@ def test_cp2_gloo_server_equals_single_device():
     for r in range(2):
         assert ranks[r]["pages_in_pool"] == ranks[r]["used"][r]
     assert ranks[0]["outcomes"]["finished"] == 4
+
+
+def _serve_once(prompts, bodies, **engine_kw):
+    """Start the cp=2 server on the shared ranks, POST ``bodies`` one by one, stop it; ``(responses, ranks)``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file, stop_file = os.path.join(tmp, "url"), os.path.join(tmp, "stop")
+        pending = shared_pool(2, CP_TIMEOUT_S).submit(job_serve_cp, prompts, port_file, stop_file, **engine_kw)
+        try:
+            for _ in range(9000):
+                if os.path.exists(port_file):
+                    break
+                time.sleep(0.1)
+            url = Path(port_file).read_text()
+            responses = [post(url, b) for b in bodies]
+        finally:
+            Path(stop_file).touch()
+            ranks = pending.result()
+    return responses, ranks
+
+
+def test_cp2_gloo_server_restarted_serves_the_prefix_from_l3(tmp_path):
+    """``--l3`` under CP: the L3 lookups and the agreement on what arrived are collectives, run by both ranks in
+    the engine's L3 phase; a restarted node restores the prompt's pages (each rank its own) from the store."""
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 512, (57,), generator=g).tolist()  # 3 whole pages before the last token's page
+    kw = dict(host_pages=48, l3=f"file:{tmp_path / 'l3'}")
+    (cold,), _ = _serve_once([prompt], [{"prompt": prompt, "logprobs": 5}], **kw)
+    (warm,), ranks = _serve_once([prompt], [{"prompt": prompt, "logprobs": 5}], **kw)
+    assert cold[0] == warm[0] == 200, (cold, warm)
+    assert warm[1]["choices"][0]["prefill"]["cached_tokens"] == {"device": 0, "host": 0, "l3": 48}
+    ref = torch.log_softmax(torch.from_numpy(ranks[0]["reference"]), -1)[0]
+    choice = warm[1]["choices"][0]
+    assert choice["token_ids"] == [int(ref.argmax())]
+    for tok, lp in logprob_table(choice).items():
+        assert abs(lp - float(ref[tok])) <= TOL, (tok, lp, float(ref[tok]))
+    assert ranks[0]["used"] == ranks[1]["used"] and ranks[0]["fingerprint"] == ranks[1]["fingerprint"]
