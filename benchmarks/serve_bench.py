@@ -20,8 +20,16 @@ aiohttp loop), the client is aiohttp in the main thread.  Phases, each starting 
    (cached / prompt tokens from the responses), graph-replay share (steps that replayed a captured
    CUDA graph, from ``/metrics``).
 
+4. **queueing model** (no server; ~a second): the step time is fitted as ``a + b * tokens`` from the
+   idle phase's forwards, and the same trace and Poisson arrivals (at 0.8 of the modelled saturation)
+   are replayed through the real :class:`~cpgraph.runtime.scheduler.Scheduler` under that cost, and
+   through an ideal FIFO server (no steps, no overhead).  What the model cannot reach no scheduling
+   can on this hardware; what the run loses beyond the model is server overhead and contention.
+
 Targets from the issue: overhead <= 1 ms per request at idle; at 0.8 of saturation p99 TTFT <= 3x
 the unloaded TTFT; on a GPU with ``--cuda-graphs``, >= 90% of steady-state steps replay a graph.
+Each phase prints the machine's load average: on a shared machine wall-clock figures include
+waiting for a core.
 
     python benchmarks/serve_bench.py --device cpu --model tiny --system-len 64 256 --suffix-len 8 128 \\
         --requests 64 --token-budget 512                                      # CPU check (minutes)
@@ -34,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -114,13 +123,45 @@ async def _metrics(session, url) -> dict:
     return out
 
 
+def start_echo_server() -> str:
+    """A bare aiohttp app on a loop thread of its own, as the server's: its round trip is the HTTP floor."""
+    import threading
+
+    from aiohttp import web
+
+    async def echo(request):
+        body = await request.json()
+        return web.json_response({"tokens": len(body["prompt"])})
+
+    box, ready = {}, threading.Event()
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/echo", echo)
+        runner = web.AppRunner(app, access_log=None)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        box["url"] = f"http://127.0.0.1:{runner.addresses[0][1]}/echo"
+        ready.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve, name="echo-http", daemon=True).start()
+    ready.wait(30)
+    return box["url"]
+
+
 def idle_overhead(server, trace, n: int) -> dict:
     """Per request at idle, each request timed against its own forward (same run, no pairing noise).
 
     Direct calls: ``submit`` + ``wait`` from this thread minus the forward time of the step(s) that ran
     it = scheduling + the hand-off to and from the engine thread.  HTTP: the client's time minus the
     engine's own submit-to-result time of the request (its ``timings.total``) = HTTP, JSON and the
-    event loop; plus that engine time minus the forward = scheduling.
+    event loop; plus that engine time minus the forward = scheduling.  The floor: the same body posted
+    to a bare aiohttp handler (its own loop thread, as the server's) -- what the client and server
+    stacks cost before cpgraph does anything.
     """
     import aiohttp
 
@@ -129,7 +170,8 @@ def idle_overhead(server, trace, n: int) -> dict:
     eng = server.engine
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, eng.vocab, len(trace[i % len(trace)])).tolist() for i in range(2 * n)]
-    direct_sched, http_only, http_sched, http_total, forward = [], [], [], [], []
+    direct_sched, http_only, http_sched, http_total, forward, floor = [], [], [], [], [], []
+    echo = start_echo_server()
 
     async def run():
         async with aiohttp.ClientSession() as s:
@@ -146,11 +188,17 @@ def idle_overhead(server, trace, n: int) -> dict:
                 forward.append(fwd)
                 http_only.append(dt - engine_s)
                 http_sched.append(engine_s - fwd)
+                t0 = time.perf_counter()
+                async with s.post(echo, json={"prompt": prompts[2 * i + 1], "max_tokens": 1}) as resp:
+                    await resp.json()
+                floor.append(time.perf_counter() - t0)
 
     asyncio.run(run())
     med = lambda v: 1e3 * statistics.median(v)  # noqa: E731
-    return {"requests": n, "forward_ms_p50": med(forward), "direct_scheduling_overhead_ms_p50": med(direct_sched),
+    return {"requests": n, "prompt_tokens": [len(prompts[2 * i + 1]) for i in range(n)],
+            "forward_ms": [1e3 * f for f in forward], "forward_ms_p50": med(forward), "direct_scheduling_overhead_ms_p50": med(direct_sched),
             "http_overhead_ms_p50": med(http_only), "scheduling_overhead_ms_p50": med(http_sched),
+            "http_floor_ms_p50": med(floor),
             "server_overhead_ms_p50": med([a + b for a, b in zip(http_only, http_sched)]),
             "unloaded_ttft_ms_p50": 1e3 * _pct(http_total, 50), "unloaded_ttft_ms_p99": 1e3 * _pct(http_total, 99)}
 
@@ -192,6 +240,99 @@ def load(server, trace, rate: float | None, seed: int) -> dict:
             "graph_replay_share": steps["graph"] / max(1, steps["graph"] + steps["eager"])}
 
 
+def _computed_tokens(trace, page: int) -> np.ndarray:
+    """Tokens each request computes with an unbounded radix cache: past the whole pages it shares with earlier ones."""
+    seen, out = [], []
+    for p in trace:
+        arr = np.asarray(p)
+        hit = 0
+        for q in seen:
+            n = min(arr.shape[0], q.shape[0])
+            diff = np.flatnonzero(arr[:n] != q[:n])
+            hit = max(hit, int(diff[0]) if diff.size else n)
+        hit = min(hit // page * page, (arr.shape[0] - 1) // page * page)
+        out.append(arr.shape[0] - hit)
+        seen.append(arr)
+    return np.asarray(out, dtype=np.float64)
+
+
+def queueing_model(trace, idle: dict, args, seeds: int = 20) -> dict:
+    """The scheduler and an ideal FIFO server under the idle phase's fitted step cost (module docstring, 4)."""
+    from cpgraph.runtime.scheduler import Scheduler, SchedulerConfig, chunk_spans
+
+    b, a = np.polyfit(np.asarray(idle["prompt_tokens"], float), np.asarray(idle["forward_ms"], float), 1)
+    a, b = max(a, 0.0), max(b, 1e-9)
+    full = np.asarray([len(p) for p in trace], dtype=np.float64)
+    comp = _computed_tokens(trace, args.page)
+    page = args.page
+
+    class Entry:
+        def __init__(self, i):
+            self.i, self.tokens_np = i, np.full(int(full[i]), i, dtype=np.int64)  # distinct: no deferral
+            self.n, self.prefix_len = int(full[i]), int(full[i] - comp[i])
+            self.done, self.next_chunk, self.starts, self.ends = self.prefix_len, 0, [], []
+
+    def scheduled(arrivals, budget):
+        sched = Scheduler(SchedulerConfig(token_budget=budget, defer_shared_tokens=0,
+                                          max_batch_requests=args.max_batch_requests), page)
+
+        def admit(e, left):
+            spans = chunk_spans([(e.prefix_len, e.n)], left, sched.config.chunk_tokens, page)
+            e.starts, e.ends = [x for x, _ in spans], [y for _, y in spans]
+            return bool(spans)
+
+        entries = [Entry(i) for i in range(len(trace))]
+        t, k, ttft = 0.0, 0, {}
+        while len(ttft) < len(entries):
+            while k < len(entries) and arrivals[k] <= t:
+                sched.enqueue(entries[k])
+                k += 1
+            batch = sched.next_step(admit)
+            if not batch:
+                t = arrivals[k]
+                continue
+            t += a + b * sum(end - st for _, st, end in batch)
+            for e, _, end in batch:
+                e.next_chunk += 1
+                e.done = end if end == e.n else e.starts[e.next_chunk]
+                if end == e.n:
+                    sched.remove(e)
+                    ttft[e.i] = t - arrivals[e.i]
+        return np.asarray([ttft[i] for i in range(len(entries))]), t
+
+    def fifo(arrivals):
+        free, out = 0.0, []
+        for t, c in zip(arrivals, comp):
+            free = max(t, free) + a + b * c
+            out.append(free - t)
+        return np.asarray(out)
+
+    unloaded = float(np.percentile(a + b * full, 99))
+    out = {"step_ms": {"fixed": a, "per_token": b}, "unloaded_ttft_ms_p99": unloaded, "budgets": {}}
+    for budget in sorted({args.token_budget, 64, 128, 256, 512} - {0}):
+        if budget < args.page:
+            continue
+        _, wall = scheduled(np.zeros(len(trace)), budget)
+        rate = 0.8 * len(trace) / wall
+        ratios = []
+        for seed in range(seeds):
+            gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(trace))
+            ratios.append(float(np.percentile(scheduled(np.cumsum(gaps), budget)[0], 99)) / unloaded)
+        out["budgets"][budget] = {"p99_over_unloaded_p50": float(np.median(ratios)),
+                                  "p99_over_unloaded_p10": float(np.percentile(ratios, 10)),
+                                  "p99_over_unloaded_p90": float(np.percentile(ratios, 90))}
+    _, wall = scheduled(np.zeros(len(trace)), args.token_budget)
+    rate = 0.8 * len(trace) / wall
+    ideal = [float(np.percentile(fifo(np.cumsum(np.random.default_rng(s).exponential(1.0 / rate, len(trace)))), 99))
+             / unloaded for s in range(seeds)]
+    out["ideal_fifo_p99_over_unloaded_p50"] = float(np.median(ideal))
+    return out
+
+
+def _load() -> str:
+    return "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("tiny", "kernel"), default="tiny")
@@ -227,17 +368,21 @@ def main() -> None:
         print(f"trace: {len(trace)} requests, prompt tokens p50 {int(np.median(lens))} max {max(lens)}; "
               f"{args.shared:.0%} share one of {args.systems} system prompts", flush=True)
         server.engine.reset_cache()
+        print(f"[{_load()}]", flush=True)
         report["idle"] = idle = idle_overhead(server, trace, args.idle)
         print(f"idle: forward {idle['forward_ms_p50']:.2f} ms; overhead per request: HTTP "
               f"{idle['http_overhead_ms_p50']:.3f} ms + scheduling {idle['scheduling_overhead_ms_p50']:.3f} ms = "
               f"{idle['server_overhead_ms_p50']:.3f} ms (direct engine calls: scheduling "
-              f"{idle['direct_scheduling_overhead_ms_p50']:.3f} ms); unloaded TTFT p50 "
+              f"{idle['direct_scheduling_overhead_ms_p50']:.3f} ms; a bare aiohttp round trip of the same body: "
+              f"{idle['http_floor_ms_p50']:.3f} ms); unloaded TTFT p50 "
               f"{idle['unloaded_ttft_ms_p50']:.1f} ms p99 {idle['unloaded_ttft_ms_p99']:.1f} ms", flush=True)
+        print(f"[{_load()}]", flush=True)
         report["saturation"] = sat = load(server, trace, None, args.seed)
         print(f"saturation (burst): {sat['throughput_rps']:.2f} req/s, {sat['computed_tok_s']:.0f} computed tok/s, "
               f"cache hit {sat['cache_hit_ratio']:.2f}", flush=True)
         report["rates"] = []
         for frac in args.rates:
+            print(f"[{_load()}]", flush=True)
             r = load(server, trace, frac * sat["throughput_rps"], args.seed + 1)
             r["fraction_of_saturation"] = frac
             report["rates"].append(r)
@@ -252,6 +397,12 @@ def main() -> None:
             ratio = at80["ttft_ms_p99"] / idle["unloaded_ttft_ms_p99"]
             report["p99_at_0.8_over_unloaded_p99"] = ratio
             print(f"p99 TTFT at 0.8 x saturation / unloaded p99 TTFT: {ratio:.2f} (target <= 3)")
+        report["queueing_model"] = qm = queueing_model(trace, idle, args)
+        per_budget = ", ".join(f"budget {k}: {v['p99_over_unloaded_p50']:.2f} ({v['p99_over_unloaded_p10']:.2f}-"
+                               f"{v['p99_over_unloaded_p90']:.2f})" for k, v in qm["budgets"].items())
+        print(f"queueing model (step = {qm['step_ms']['fixed']:.2f} ms + {qm['step_ms']['per_token']:.4f} ms/token, from "
+              f"the idle phase; p99 TTFT at 0.8 x saturation / unloaded p99, median of 20 arrival seeds (p10-p90)): "
+              f"ideal FIFO server {qm['ideal_fifo_p99_over_unloaded_p50']:.2f}; this scheduler: {per_budget}")
     finally:
         server.stop()
     if args.out:

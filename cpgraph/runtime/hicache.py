@@ -78,11 +78,12 @@ class DevicePages:
 def _alloc(ledger: LaneLedger, allocator, owners, where: str) -> np.ndarray:
     """Ledger and allocator move together: validate, allocate (may raise), then record in the ledger."""
     owners = int_array(owners, f"{where}: owners")
-    short = ledger.deficit(owners)  # also range-checks the owners
+    counts = ledger.counts(owners)  # also range-checks the owners
+    short = ledger.shortfall(counts)
     if short:
         raise LaneDeficit(short, where)
     pages = np.asarray(allocator.alloc_pages_with_owners(owners), dtype=np.int64)
-    ledger.take(owners)  # cannot fail: the deficit check above passed
+    ledger.take_counts(counts)  # cannot fail: the deficit check above passed
     return pages
 
 

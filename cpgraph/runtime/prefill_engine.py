@@ -90,10 +90,10 @@ class _Live:
     """The engine's record of one admitted-or-waiting request (the same on every rank once admitted)."""
 
     def __init__(self, rid: int, tokens: list[int], room: int | None, handle: RequestHandle | None, now: float,
-                 deadline: float | None):
+                 deadline: float | None, tokens_np: np.ndarray | None = None):
         self.id, self.tokens, self.room, self.handle = rid, tokens, room, handle
-        self.tokens_np = np.asarray(tokens, dtype=np.int64)
-        self.key = TokenKey(tokens)
+        self.tokens_np = np.asarray(tokens, dtype=np.int64) if tokens_np is None else tokens_np
+        self.key = TokenKey(self.tokens_np)
         self.match: PrefixMatch | None = None
         self.prefix_len = 0  # tokens with KV from the cache (all tiers) at admission
         self.done = 0  # where the next chunk starts: the leading tokens whose KV exists
@@ -139,6 +139,7 @@ class PrefillEngine:
                                  rank=rank, cp_size=cp_size, host_pages=host_pages, host_layout=host_layout,
                                  write_policy=write_policy, group=group, l3=l3)
         self.model, self.page_size, self.rank, self.cp_size = model, page_size, rank, cp_size
+        self.device = model.device  # read once: the property walks the parameters
         self.vocab = model.config.vocab_size
         self.group, self.control_group, self.src = group, control_group if control_group is not None else group, src
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), page_size)
@@ -167,8 +168,8 @@ class PrefillEngine:
         is finished at once with status ``refused`` and an ``error`` saying why."""
         rid = next(self._ids)
         handle = RequestHandle(rid, request)
-        tokens = list(request.tokens)
-        refusal = self.check(request, tokens)
+        refusal, ids = self._check(request)
+        tokens = ids.tolist() if ids is not None else list(request.tokens)
         now = self.clock()
         with self._lock:
             if refusal is None and self._stopped:
@@ -178,7 +179,7 @@ class PrefillEngine:
             if refusal is None:
                 timeout = request.timeout if request.timeout is not None else self.request_timeout
                 live = _Live(rid, tokens, request.transfer_room, handle, now,
-                             None if timeout is None else now + timeout)
+                             None if timeout is None else now + timeout, ids)
                 self._inbox.append(live)
                 self._lock.notify_all()
                 return handle
@@ -186,17 +187,24 @@ class PrefillEngine:
         handle._finish(RequestResult(REFUSED, len(tokens), error=refusal[1], refusal=refusal[0]))
         return handle
 
-    def check(self, request: EngineRequest, tokens: list[int] | None = None) -> tuple[str, str] | None:
+    def check(self, request: EngineRequest) -> tuple[str, str] | None:
         """``(refusal, message)`` when ``request`` can never be served here, else ``None`` (touches no state)."""
-        tokens = list(request.tokens) if tokens is None else tokens
-        if not tokens:
-            return "invalid", "the prompt is empty"
+        return self._check(request)[0]
+
+    def _check(self, request: EngineRequest) -> tuple[tuple[str, str] | None, np.ndarray | None]:
+        """:meth:`check`, and the prompt as an int64 array once its ids are valid (converted once, reused)."""
+        tokens = request.tokens
+        if not len(tokens):
+            return ("invalid", "the prompt is empty"), None
         if len(tokens) > self.max_prompt_tokens:
-            return "too_long", (f"the prompt has {len(tokens)} tokens; this engine takes at most "
-                                f"{self.max_prompt_tokens}")
-        bad = _bad_token(tokens, self.vocab)
-        if bad is not None:
-            return "invalid", f"token {bad!r} is not an id in [0, {self.vocab}) (the model's vocabulary)"
+            return ("too_long", (f"the prompt has {len(tokens)} tokens; this engine takes at most "
+                                 f"{self.max_prompt_tokens}")), None
+        ids, bad = token_ids(tokens, self.vocab)
+        if ids is None:
+            return ("invalid", f"token {bad!r} is not an id in [0, {self.vocab}) (the model's vocabulary)"), None
+        return self._check_rest(request, len(tokens)), ids
+
+    def _check_rest(self, request: EngineRequest, n: int) -> tuple[str, str] | None:
         if not isinstance(request.sampling, Sampling):
             return "invalid", "sampling must be a Sampling"
         k = request.top_logprobs
@@ -207,7 +215,7 @@ class PrefillEngine:
                 return "room", "this engine has no KV transfer configured"
             if not self.transfer.registered(request.transfer_room):
                 return "room", f"room {request.transfer_room} is not registered by a decode on this prefill"
-        need = lane_pages([0], [len(tokens)], self.cp_size, self.page_size)
+        need = lane_pages([0], [n], self.cp_size, self.page_size)
         if (need > self.num_pages).any():
             return "too_long", (f"the prompt needs {int(need.max())} KV pages on one rank; the pool holds "
                                 f"{self.num_pages} per rank (it can never fit)")
@@ -557,7 +565,7 @@ class PrefillEngine:
                                                                   zip(lives, chunks)],
                                        [t for t, _ in tables], [o[: s // ps] for (_, o), (_, s, _) in
                                                                 zip(tables, chunks)],
-                                       self.cache.pools, self.model.device, rank=self.rank)
+                                       self.cache.pools, self.device, rank=self.rank)
             logits = out.logits
             if logits.is_cuda:  # the step's time is its GPU time; the first token is read from it right after
                 torch.cuda.current_stream(logits.device).synchronize()
@@ -592,7 +600,7 @@ class PrefillEngine:
                     finished.append(self._close(live, FINISHED, choice))
                 else:
                     del self._live[live.id]
-        check_consistent(self.cache.tree, self.group, device=self.model.device)
+        check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
 
     def _send(self, live: _Live, table: np.ndarray, s: int, e: int, last: bool, choice) -> None:
@@ -665,13 +673,24 @@ class PrefillEngine:
 
 
 
-def _bad_token(tokens: list, vocab: int):
-    """The first entry that is not a token id in ``[0, vocab)``, or ``None`` (vectorised: prompts are long)."""
-    if not set(map(type, tokens)) <= {int, np.int64}:
-        return next(t for t in tokens if type(t) not in (int, np.int64))
-    arr = np.asarray(tokens, dtype=object if max(map(abs, tokens)) >= 2**63 else np.int64)
+def token_ids(tokens, vocab: int) -> tuple[np.ndarray | None, object]:
+    """``(tokens as an int64 array, None)``, or ``(None, the first entry that is not a token id in [0, vocab))``.
+
+    Vectorised (prompts are long); a 1-D integer array -- what the HTTP layer
+    hands over after its own checks -- skips the per-element type scan.
+    """
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            return None, tokens.reshape(-1)[0]
+        arr = tokens.astype(np.int64, copy=False)
+    else:
+        if not set(map(type, tokens)) <= {int, np.int64}:
+            return None, next(t for t in tokens if type(t) not in (int, np.int64))
+        if max(map(abs, tokens)) >= 2**63:
+            return None, next(t for t in tokens if not 0 <= t < vocab)
+        arr = np.asarray(tokens, dtype=np.int64)
     bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-    return tokens[int(bad[0])] if bad.size else None
+    return (None, tokens[int(bad[0])]) if bad.size else (arr, None)
 
 
 def _graph_replays(forward) -> int:

@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .inputs import InputError
 from .sampling import Sampling
 
@@ -27,7 +29,7 @@ REFUSALS = ("invalid", "too_long", "queue_full", "room", "stopped")
 class EngineRequest:
     """One prompt to prefill; the first token is chosen by ``sampling``."""
 
-    tokens: Sequence[int]
+    tokens: Sequence[int]  # a list of ints, or a 1-D integer numpy array
     sampling: Sampling = field(default_factory=Sampling)
     top_logprobs: int = 0  # how many most likely first tokens to report with their logprobs (0-20)
     transfer_room: int | None = None  # a decode's registered Mooncake room: send this request's KV there
@@ -114,4 +116,6 @@ def engine_request(tokens, *, temperature: float = 0.0, top_p: float = 1.0, seed
         sampling = Sampling(temperature, top_p, seed)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    return EngineRequest(list(tokens), sampling, top_logprobs, transfer_room, timeout)
+    if not (isinstance(tokens, np.ndarray) and tokens.ndim == 1):  # an array is kept: the engine checks it as one
+        tokens = list(tokens)
+    return EngineRequest(tokens, sampling, top_logprobs, transfer_room, timeout)

@@ -193,7 +193,7 @@ class PrefillServer:
             futures.append(fut)
             handles.append(h)
         try:
-            results = await asyncio.gather(*futures)
+            results = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
         except asyncio.CancelledError:  # the client went away: free what its requests hold
             for h in handles:
                 self.engine.cancel(h, CANCELLED)

@@ -37,14 +37,20 @@ class LaneLedger:
 
     def deficit(self, owners) -> dict[int, int]:
         """``{lane: pages short}`` for an allocation of ``owners`` (empty when it fits)."""
-        short = self.counts(owners) - self.free_pages()
+        return self.shortfall(self.counts(owners))
+
+    def shortfall(self, counts: np.ndarray) -> dict[int, int]:
+        """:meth:`deficit` of per-lane ``counts`` (an allocation counted once, checked, then taken)."""
+        short = counts - self.free_pages()
         return {int(r): int(short[r]) for r in np.flatnonzero(short > 0)}
 
     def take(self, owners) -> None:
-        c = self.counts(owners)
-        if (c > self.free_pages()).any():
+        self.take_counts(self.counts(owners))
+
+    def take_counts(self, counts: np.ndarray) -> None:
+        if (counts > self.free_pages()).any():
             raise RuntimeError("LaneLedger.take: allocation exceeds a lane's capacity (check deficit first)")
-        self.used += c
+        self.used += counts
 
     def check_give(self, owners) -> np.ndarray:
         """Validate a release of ``owners`` without applying it; returns the per-lane counts for :meth:`apply_give`."""
