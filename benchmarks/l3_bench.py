@@ -219,7 +219,8 @@ def bench_ttft(args, model, tokens: int, root: Path, mc) -> dict:
         eng.hicache.load_back = load_t.wrap(eng.hicache.load_back)
         if eng.l3 is not None:
             eng.l3.put_nodes = store_t.wrap(eng.l3.put_nodes)
-            eng.l3.fetch = fetch_t.wrap(eng.l3.fetch)
+            eng.l3.start_fetch = fetch_t.wrap(eng.l3.start_fetch)  # lookup excluded: allocation and reads
+            eng.l3.finish_fetch = fetch_t.wrap(eng.l3.finish_fetch)
         sync(args.device)
         t0 = time.perf_counter()
         res = eng.prefill([prompt])
