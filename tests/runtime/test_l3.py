@@ -291,6 +291,17 @@ def test_draft_pages_are_keyed_by_their_continuation(tmp_path):
     torch.testing.assert_close(warm.draft_logits, first.draft_logits, rtol=0, atol=1e-6)
     other = engine().prefill([b])  # page 1's continuation differs: only page 0 may come from L3
     assert other.hits[0]["l3"] == ref.PAGE
+    # A hole under the draft: the hole pass runs the draft too (its last row takes the next page's first token).
+    c = head + torch.randint(0, vocab, (2 * ref.PAGE + 3,), generator=g).tolist()
+    cold = engine().prefill([c])
+    rows = []
+    holed = CacheEngine(counting(forward, rows), model, num_pages=24, page_size=ref.PAGE, host_pages=24, draft=draft,
+                        l3=L3Config(FailingGets(FileStore(tmp_path), {0: {2}})))
+    res = holed.prefill([c])  # pages 0-3 in L3, page 2 lost
+    assert res.hits[0] == {"device": 0, "host": 0, "l3": 3 * ref.PAGE, "computed": ref.PAGE + 3}
+    assert rows == [ref.PAGE, 3]
+    torch.testing.assert_close(res.logits, cold.logits, rtol=0, atol=ATOL)
+    torch.testing.assert_close(res.draft_logits, cold.draft_logits, rtol=0, atol=ATOL)
 
 
 @pytest.mark.slow
