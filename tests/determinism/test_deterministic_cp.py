@@ -1,11 +1,15 @@
 """Deterministic prefill under CP on CPU: two gloo ranks give every request the one-device bits, logits and KV.
 
 Each rank compiles the model once (``aot_eager``, ``CPConfig(cp_size=2,
-deterministic=True)``: a graph for the prefix pass and one for the extend
-pass) and runs a batch with cached prefixes.  The reference is the eager
-model on one device in deterministic mode: every request's logits, and every
-KV page of the followed request (each rank holds the pages it owns), equal
-it bit for bit -- and the followed request's equal its run alone.  The CP
+deterministic=True)``) and prefills a batch of four requests of mixed
+lengths; one graph, the pass without a cached prefix, to keep the CI time
+(the graph over a cached prefix is compiled in-process by
+``test_deterministic_prefill.py`` and under CP by the NCCL test; CP over a
+cached prefix with the mode's CPU kernels is ``passes/test_cp_numerics.py``).
+The reference is the eager model on one device in deterministic mode: every
+request's logits, and every KV page of the followed request (each rank holds
+the pages it owns), equal it bit for bit -- and the followed request's equal
+its run alone.  The CP
 ranks compute fewer rows per product than one device and run at the rank
 thread count; the mode makes neither matter (docs/deterministic.md).
 """
@@ -30,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 TARGET, OTHERS = dm.prompts()
 O0, O1, O2, O3 = OTHERS
-BATCH = ([O3, O0, TARGET, O2], [16, 32, 0, 48], 2)  # two requests in each pass at least (no batch-of-one graphs)
+BATCH = ([O3, O0, TARGET, O2], [0, 0, 0, 0], 2)  # four requests (a batch of one would be a graph of its own)
 
 
 def job_deterministic_cp(ctx, batch):
