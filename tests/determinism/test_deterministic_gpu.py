@@ -255,13 +255,22 @@ COMPOSITIONS = [
 
 
 def _records(model, res, i, n):
+    """Request ``i``'s KV bytes in logical order: slot rows, or whole pages for a page-major pool (FP8 index-K).
+
+    Pools are fresh per run, so a partial last page's slack is zero on both sides.
+    """
     from cpgraph.runtime.engine import pool_tensors
 
     table = np.asarray(res.tables[i])
     pos = np.arange(n)
     slots = torch.as_tensor(table[pos // PAGE] * PAGE + pos % PAGE, device=DEV)
+    pages = torch.as_tensor(table[: -(-n // PAGE)], device=DEV)
     mla, index = pool_tensors(res.pool, model)
-    return [p[slots].contiguous().view(torch.uint8).cpu() for p in mla + index]
+    out = []
+    for p in mla + index:
+        rows = pages if p.shape[0] == res.pool.config.num_pages else slots
+        out.append(p[rows].contiguous().view(torch.uint8).cpu())
+    return out
 
 
 def _same(a, b):
