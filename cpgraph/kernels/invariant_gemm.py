@@ -329,7 +329,7 @@ def invariant_moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None, ga
     from cpgraph.ops.invariant_core import silu
     from cpgraph.ops.moe import dispatch_plan
 
-    from .moe import combine
+    from .moe_combine import combine
 
     m, k = topk_ids.shape
     e = gate_up.shape[0]

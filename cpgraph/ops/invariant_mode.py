@@ -12,8 +12,10 @@ no graph at all.  Inside :func:`deterministic` (process-wide, re-entrant;
   ``out=`` and in-place forms too) sum in one fixed order and ``sigmoid`` /
   ``silu`` are computed from ``exp`` (:mod:`.invariant_core`) -- the CPU
   torch references become row-invariant;
-* on CUDA the same products run the Triton kernel of
-  :mod:`cpgraph.kernels.invariant_gemm` (one config per weight shape);
+* on CUDA the same products run ``cpgraph::invariant_mm``, whose CUDA
+  provider is the Triton kernel of ``cpgraph/kernels/invariant_gemm.py``
+  (one config per weight shape; without Triton the binding warns and the
+  fixed-order reference computes, still invariant);
 * ``cpgraph::moe_experts`` / ``fp8_block_linear`` / ``mla_query`` compute as
   ``invariant_moe_experts`` / ``invariant_fp8_linear`` /
   ``invariant_mla_query`` (what the pass puts in compiled graphs), so eager
@@ -106,12 +108,14 @@ def cpu_kernels(count: bool = False) -> dict:
 
 # ------------------------------------------------------------ CUDA kernels
 def _cuda_product(a, b, bias=None, beta=1, alpha=1):
-    """The Triton kernel for the float dtypes it takes, the fixed-order torch form otherwise (fp64)."""
-    from cpgraph.kernels import invariant_gemm
+    """``cpgraph::invariant_mm`` (its CUDA provider: the Triton GEMM) for floats; the fixed-order form for integers.
 
-    if a.dtype in (torch.float32, torch.bfloat16, torch.float16) and b.dtype == a.dtype and (
-            bias is None or beta == 0 or bias.dtype == a.dtype):
-        return invariant_gemm.matmul(a, b, bias, float(beta), float(alpha))
+    Through the op, not the kernel module: the op registry binds the CUDA
+    providers on first use (ops never import the kernels, tests/test_imports.py),
+    and the call is counted under ``invariant_mm`` with what computed it.
+    """
+    if a.dtype.is_floating_point and b.dtype == a.dtype and (bias is None or beta == 0 or bias.dtype == a.dtype):
+        return torch.ops.cpgraph.invariant_mm(a, b, bias if beta != 0 else None, float(beta), float(alpha))
     return core.scaled_sum(core.fixed_order_matmul(a, b), bias, beta, alpha).to(a.dtype)
 
 
@@ -133,8 +137,7 @@ def cuda_kernels() -> dict:
     def addmm_(bias, a, b, *, beta=1, alpha=1):
         return bias.copy_(_cuda_product(a, b, bias, beta, alpha))
 
-    table = _product_kernels(mm, mm_out, addmm, addmm_out, addmm_)
-    return {name: _counted(fn, "cuda", "triton") for name, fn in table.items()}
+    return _product_kernels(mm, mm_out, addmm, addmm_out, addmm_)  # counted by the op they call
 
 
 # ------------------------------------------------------------ cpgraph ops
@@ -171,13 +174,9 @@ def _cuda_in_use() -> bool:
 
 
 def _install() -> list:
-    import cpgraph.ops  # noqa: F401  (the cpgraph ops must exist before their kernels are replaced)
-
     libs = [_register("aten", cpu_kernels(count=True), ("CPU",))]
     keys = ("CPU",)
-    if _cuda_in_use():
-        from cpgraph.kernels import invariant_gemm  # noqa: F401  (raises without Triton: no silent fallback)
-
+    if _cuda_in_use():  # the CUDA products run invariant_mm, whose provider binds on first use
         libs.append(_register("aten", cuda_kernels(), ("CUDA",)))
         keys = ("CPU", "CUDA")
     libs.append(_register("cpgraph", op_kernels(), keys))
