@@ -28,7 +28,13 @@ Modes (``--modes``): ``compiled`` (``cpgraph.compile``, Inductor, ``dynamic=Fals
 per (variant, shape)), ``graphed`` (that compiled forward captured and replayed by
 ``GraphRunner`` with the case's exact shapes as its only bucket, so it does not compile again;
 only for cases of at most ``--graph-max-tokens`` tokens: above that the forward is GPU-bound
-and a second activation pool costs memory), optionally ``eager``.
+and a second activation pool costs memory), optionally ``eager``.  ``--deterministic`` adds the mode
+``deterministic``: the same model compiled a second time with ``CPConfig(deterministic=True)``
+(docs/deterministic.md: row-invariant GEMMs, experts and combine, one Triton config per weight
+shape), timed on the same batch and pools right after ``compiled``, with its ratio to it
+(``deterministic / compiled``; the issue's target: at most 1.25 at 32K), its max |logit diff| to
+the default forward, whether two of its calls give the same bits, and (``--profile``) its own
+GPU-time breakdown.  It never counts as the case's best mode.
 
 Per case and mode: median ms (CUDA events) and new tokens/s.  Per case (compiled forward):
 
@@ -212,7 +218,7 @@ class Variant:
 VARIANTS = {v.name: v for v in (Variant("bf16", "bf16"), Variant("fp8", "bf16"), Variant("fp8", "fp8"),
                                 Variant("bf16", "fp8"))}  # fmt: skip
 DEFAULT_VARIANTS = ("bf16/bf16", "fp8/bf16", "fp8/fp8")
-MODES = ("eager", "compiled", "graphed")
+MODES = ("eager", "compiled", "graphed", "deterministic")
 
 
 # ------------------------------------------------------------------ weights on the device
@@ -631,9 +637,22 @@ def time_graphed(compiled, compiled_fn, pools, prompts, tables, case: Case, rows
             "max_abs_diff_vs_compiled": None if ref is None else (got - ref).abs().max().item()}  # fmt: skip
 
 
+def time_deterministic(compiled, default_fn, fn, tokens: int, repeat: int, warmup: int, default_ms,
+                       parts: dict | None) -> dict:
+    """The deterministic compile on the case's batch: time, ratio to the default, numerics, repeat bits, profile."""
+    out = time_mode(fn, tokens, repeat, warmup)
+    out["vs_compiled"] = out["ms"] / default_ms if default_ms else None
+    a = fn().float()
+    out["repeat_bitwise"] = bool(torch.equal(a, fn().float()))
+    out["max_abs_diff_vs_compiled"] = (a - default_fn().float()).abs().max().item()
+    if parts is not None:
+        out["profile"] = profile_forward(fn, parts)
+    return out
+
+
 @torch.no_grad()
-def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gemm: dict) -> dict:
-    """Every measurement of one (variant, case): see the module docstring."""
+def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gemm: dict, deterministic=None) -> dict:
+    """Every measurement of one (variant, case): see the module docstring (``deterministic``: that compile)."""
     from cpgraph.models import build_batch
     from cpgraph.plan import plan_prefill
     from cpgraph.plan.memory import plan_memory
@@ -708,6 +727,15 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
                     row["profile"] = prof
                     vt.log(f"  {case.name} profile: busy {prof['gpu_busy_ms']:.1f} ms of {prof['wall_ms']:.1f} ms wall; "
                            + ", ".join(f"{k} {v['ms']:.1f}" for k, v in prof["categories"].items()))  # fmt: skip
+        if deterministic is not None:
+            det = _guarded(modes, "deterministic", f"{case.name} deterministic", lambda: time_deterministic(
+                deterministic, compiled_fn, lambda: deterministic(ids, meta, mla, index).logits, tokens, repeat, warmup,
+                modes.get("compiled", {}).get("ms"), parts if args.profile else None))  # fmt: skip
+            if det is not None:
+                modes["deterministic"] = det
+                ratio = _fmt(det["vs_compiled"], ".3f")
+                vt.log(f"  {case.name} deterministic: {det['ms']:.2f} ms = {ratio} x compiled, |d| vs compiled "
+                       f"{det['max_abs_diff_vs_compiled']:.3g}, repeat bit-identical {det['repeat_bitwise']}")
         if "graphed" in args.modes_list:
             if tokens > args.graph_max_tokens:
                 modes["graphed"] = {"skipped": f"{tokens} tokens > --graph-max-tokens {args.graph_max_tokens} "
@@ -722,7 +750,7 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
                     cap = got["capture"][0]
                     vt.log(f"  {case.name} graphed: {got['ms']:.2f} ms ({got['graphs_compiled']} graph(s) compiled, "
                            f"capture {cap['capture_s']:.2f} s, pool {cap['pool_mib']:.0f} MiB)")  # fmt: skip
-        timed = {k: v for k, v in modes.items() if "ms" in v}
+        timed = {k: v for k, v in modes.items() if "ms" in v and k != "deterministic"}
         if timed:
             best = min(timed, key=lambda k: timed[k]["ms"])
             ms = timed[best]["ms"]
@@ -775,6 +803,18 @@ def print_tables(results: list[dict], meta: dict) -> None:
               f"{r['tflops']:>9.0f}{100 * r['share_of_bf16_gemm']:>6.1f}%{_fmt(r['share_of_fp8_gemm'], '.1f', 100):>5}%"
               f"{_gib(mem.get('peak')):>9}{_gib(r['memory_plan']['total']):>9}{proj_s:>8}{proj_t:>15}")  # fmt: skip
     print("(proj: PROJECTION of the full model from this run's per-layer times, one GPU; tok/s/GPU under ideal CP8)")
+    det_rows = [r for r in results if "ms" in r.get("modes", {}).get("deterministic", {})]
+    if det_rows:
+        print("\ndeterministic (CPConfig(deterministic=True)) vs the default compile, same run (target <= 1.25x at 32K)")
+        print(f"{'model':<6}{'variant':<10}{'case':<6}{'default ms':>11}{'det ms':>10}{'ratio':>7}{'|d| logits':>12}"
+              f"{'repeat bits':>12}")
+        for r in det_rows:
+            d, c = r["modes"]["deterministic"], r["modes"].get("compiled", {})
+            print(f"{r['model']:<6}{r['variant']:<10}{r['case']:<6}{_fmt(c.get('ms'), '.2f'):>11}{d['ms']:>10.2f}"
+                  f"{_fmt(d['vs_compiled'], '.3f'):>7}{d['max_abs_diff_vs_compiled']:>12.3g}{str(d['repeat_bitwise']):>12}")
+            prof = d.get("profile")
+            if prof and "categories" in prof:
+                print("    GPU time: " + ", ".join(f"{k} {v['ms']:.1f} ms" for k, v in prof["categories"].items()))
     print("\nper mode: ms (first call s, graphs compiled)")
     for r in results:
         for m, v in r.get("modes", {}).items():
@@ -860,11 +900,17 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a dry run of every code path at tiny sizes (figures meaningless)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also time CPConfig(deterministic=True) against the default compile (mode deterministic)")
     args = ap.parse_args(argv)
     args.models_list = _split(args.models)
     args.variants_list = list(VARIANTS) if args.variants == "all" else _split(args.variants)
     args.cases_list = list(QUICK) if args.quick else _split(args.cases)
     args.modes_list = _split(args.modes)
+    if args.deterministic and "deterministic" not in args.modes_list:
+        args.modes_list.append("deterministic")
+    if "deterministic" in args.modes_list and "compiled" not in args.modes_list:
+        ap.error("the deterministic mode is timed against the compiled one: keep compiled in --modes")
     bad = ([m for m in args.models_list if m not in MODELS] + [v for v in args.variants_list if v not in VARIANTS]
            + [c for c in args.cases_list if c not in CASES] + [m for m in args.modes_list if m not in MODES])  # fmt: skip
     if bad or not (args.models_list and args.variants_list and args.cases_list and args.modes_list):
@@ -968,16 +1014,20 @@ def _run(args) -> int:
             model.kv_layout = make_layout(model, variant.kv, args.page)
             if args.max_logits_mib is not None:
                 model.kv_layout = dataclasses.replace(model.kv_layout, max_logits_bytes=args.max_logits_mib << 20)
-            compiled = cp_compile(model, CPConfig(disabled_passes=tuple(_split(args.disable_passes))),
-                                  backend=args.backend, dynamic=False)
+            disabled = tuple(_split(args.disable_passes))
+            compiled = cp_compile(model, CPConfig(disabled_passes=disabled), backend=args.backend, dynamic=False)
+            det = None
+            if "deterministic" in args.modes_list:  # the same passes disabled, so the ratio compares like with like
+                det = cp_compile(model, CPConfig(disabled_passes=disabled, deterministic=True), backend=args.backend,
+                                 dynamic=False)
             vt.log(f"{model_key} variant {vname} (weights {variant.weights}, KV {variant.kv})")
             for case in cases:
                 vt.log(f" case {case.name} ({case.requests} x {case.extend}) [{time.perf_counter() - t_start:.0f} s]")
-                row = run_case(model, compiled, cfg, real, variant, case, args, gemm)
+                row = run_case(model, compiled, cfg, real, variant, case, args, gemm, det)
                 row["providers"] = selected(args.device)
                 results.append(row)
                 write_json(args.json, meta, results)
-            del compiled
+            del compiled, det
         del model
         gc.collect()
         torch._dynamo.reset()

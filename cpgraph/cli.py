@@ -12,6 +12,7 @@ keeps its traceback.  ``docs/cli.md`` is generated from :func:`build_parser`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import re
@@ -293,9 +294,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     prompts, prefix = _Prompts(raw, req.prompts, tokenizer), req.prefix_lens
     if args.cp is not None:
         return _run_cp(args, prompts, prefix, progress)
-    if args.cache:
-        return _run_cache(args, model, prompts, progress)
-    return _run_single(args, model, prompts, prefix, progress)
+    from cpgraph.ops.invariant_mode import deterministic
+
+    with deterministic() if args.deterministic else contextlib.nullcontext():  # eager forwards: the mode's kernels
+        if args.cache:
+            return _run_cache(args, model, prompts, progress)
+        return _run_single(args, model, prompts, prefix, progress)
 
 
 def _run_single(args, model, prompts: _Prompts, prefix, progress) -> int:
@@ -467,7 +471,7 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
                      kv_format=args.kv_format, dtype=args.dtype, weights=args.weights, backend=backend,
                      page_size=DEFAULT_PAGE_SIZE,
                      cache=args.cache, evict=args.evict, log_level=logging.getLogger("cpgraph").level,
-                     draft=args.draft, l3=args.l3, **_cache_kwargs(args))
+                     draft=args.draft, l3=args.l3, deterministic=args.deterministic, **_cache_kwargs(args))
     # On a terminal, a line every 10 s while a rank compiles; in a log, one line per phase.
     heartbeat = 10.0 if sys.stderr.isatty() and not args.quiet else None
     res = run_cp(spec, progress=None if args.quiet else progress, heartbeat=heartbeat)
@@ -522,11 +526,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     spec = LaunchSpec(model=str(args.model), prompts_file=args.prompts_file, prefix_lens=args.prefix_lens, cp=args.cp,
                       ep=args.ep, device=args.device, backend=args.backend, kv_format=args.kv_format, dtype=args.dtype,
                       weights=args.weights, page_size=DEFAULT_PAGE_SIZE, timeout=args.timeout, repeat=args.repeat,
-                      json_out=args.json)
+                      json_out=args.json, deterministic=args.deterministic)
     try:
         with user_input():
             if args.top < 1:
                 raise InputError(f"--top must be >= 1, got {args.top}")
+            if args.deterministic and args.ep > 1:
+                raise InputError("--deterministic needs --ep 1 (the expert-parallel combine is not the one-device "
+                                 "one; docs/deterministic.md)")
             res = run_launch(spec, progress=_progress(args, "launch"))
     except InputError as exc:
         if reports_errors():  # one line per node, not one per rank
@@ -609,6 +616,9 @@ def _cmd_pd(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- parser
+
+
+DETERMINISTIC_HELP = ("every row's logits and KV bytes depend only on that request and the model, never on the batch, the cached prefix, the chunking or the CP size: row-invariant products in one fixed order (docs/deterministic.md; slower)")
 
 
 def _add_verbose(p: argparse.ArgumentParser, default) -> None:
@@ -705,6 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the MTP draft layer (model.layers.{num_hidden_layers}; bundled models: a random one) "
                         "on the target's hidden states and print its top tokens beside the target's: the draft "
                         "predicts the token after the target's top-1 token (docs/mtp.md)")
+    r.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     r.set_defaults(func=_cmd_run)
 
     d = sub.add_parser("pd", help="prefill on N CP ranks, send the KV to a decode process (Mooncake), decode a token")
@@ -757,6 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--json", default=None, metavar="OUT", help="global rank 0 writes logits, tokens and per-group "
                                                               "figures to OUT")
     ln.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ln.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     ln.set_defaults(func=_cmd_launch)
 
     from cpgraph.cli_serve import add_parser as add_serve_parser

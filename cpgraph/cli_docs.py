@@ -51,6 +51,7 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--l3": "cpgraph run --model tiny-glm5 --cache --l3 file:/var/cache/cpgraph-l3,max_bytes=64G",
         "--cuda-graphs": "cpgraph run --model tiny-glm5 --device cuda --cache --cuda-graphs",
         "--draft": "cpgraph run --model ./DeepSeek-V3.2 --device cuda --dtype bfloat16 --draft",
+        "--deterministic": "cpgraph run --model tiny-glm5 --prefix-lens 16,0 --cp 2 --backend aot_eager --deterministic",
     },
     "memory": {
         None: "cpgraph memory --model-config ./DeepSeek-V3.2 --cp 8 --ep 8 --tokens 131072 --dtype fp8 --kv-format fp8",
@@ -78,6 +79,7 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--dtype": "cpgraph launch --model tiny-glm5 --dtype bfloat16",
         "--weights": "cpgraph launch --model ./DeepSeek-V3.2 --cp 8 --ep 8 --dtype bfloat16 --weights fp8",
         "--repeat": "cpgraph launch --model tiny-glm5 --repeat 3",
+        "--deterministic": "cpgraph launch --model ./DeepSeek-V3.2 --device cuda --deterministic",
         "--timeout": "cpgraph launch --model tiny-glm5 --timeout 1800",
         "--top": "cpgraph launch --model tiny-glm5 --top 3",
         "--json": "cpgraph launch --model tiny-glm5 --json out.json",

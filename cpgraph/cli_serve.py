@@ -44,6 +44,7 @@ EXAMPLES: dict[str | None, str] = {
     "--warmup-tokens": "cpgraph serve --model tiny-glm5 --warmup-tokens 0",
     "--timeout": "cpgraph serve --model tiny-glm5 --cp 2 --backend aot_eager --timeout 1800",
     "--quiet": "cpgraph serve --model tiny-glm5 --quiet",
+    "--deterministic": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --deterministic",
 }
 
 
@@ -108,6 +109,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true",
                    help="no lifecycle lines (warm-up, ready, draining) on stderr; the listening address is always "
                         "printed")
+    s.add_argument("--deterministic", action="store_true",
+                   help="every request's logits and KV bytes depend only on that request and the model, never on "
+                        "the batch, the cached prefix, the chunking or the CP size: row-invariant products "
+                        "(docs/deterministic.md; slower)")
     s.set_defaults(func=main)
     return s
 
@@ -175,7 +180,8 @@ def spec_from_args(args):
                      max_batch_requests=args.max_batch_requests, max_queue=args.max_queue,
                      max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout or None,
                      cuda_graphs=args.cuda_graphs, kv_transfer=args.kv_transfer, warmup_tokens=args.warmup_tokens,
-                     timeout=args.timeout, log_level=logging.getLogger("cpgraph").level)
+                     timeout=args.timeout, log_level=logging.getLogger("cpgraph").level,
+                     deterministic=args.deterministic)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ def providers() -> dict:
     from . import fp8_linear
     from . import mla_query
     from . import index_quant
+    from . import invariant_gemm
 
     return {
         "take_rows": move.take_rows,
@@ -72,6 +73,7 @@ def providers() -> dict:
         "hadamard": index_quant.hadamard,
         "index_k_quant": index_quant.index_k_quant,
         "indexer_q_quant": index_quant.indexer_q_quant,
+        **invariant_gemm.providers(),
     }
 
 

@@ -45,6 +45,7 @@ from torch._inductor import config as inductor_config
 from cpgraph.ops.providers import bind_providers
 
 from .config import CPConfig
+from .invariant_kernels import inductor_options, run_mode
 from .manager import CPPassManager, PassFn
 from .pipeline import default_passes
 from .recompile_limit import fail_on_recompile_limit
@@ -94,7 +95,7 @@ class CompiledForward:
         self.cpgraph_passes = manager
 
     def __call__(self, *args: Any, **kwargs: Any):
-        with trace_settings(), torch.no_grad():  # an inference forward (module docstring)
+        with trace_settings(), torch.no_grad(), run_mode(self.cpgraph_passes.cfg):  # an inference forward
             return self._compiled(*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -123,7 +124,7 @@ def compile(
     """
     if backend == "inductor":
         manager = build_pass_manager(cp, passes, absorbed=inductor_config.post_grad_custom_pre_pass)
-        options = {"post_grad_custom_pre_pass": manager}
+        options = {"post_grad_custom_pre_pass": manager, **inductor_options(manager.cfg)}
         if mode == "reduce-overhead":
             options["triton.cudagraphs"] = True
             bind_providers("cuda")  # CUDA graphs: the providers are bound before anything is recorded

@@ -43,6 +43,15 @@ class CPConfig:
     FlashMLA over the unpacked view 57.6 ms of attention against 190 ms for
     the Triton FP8 kernel in place (``benchmarks/production_shape.py
     --variants fp8/fp8``; docs/passes.md).
+
+    ``deterministic``: every row's result depends only on that row's inputs
+    and the model, never on the row count, the batch, the cached prefix,
+    the chunking or ``cp_size`` -- the products become the row-invariant
+    ``cpgraph::invariant_*`` ops (pass ``use_invariant_kernels``), the
+    forward runs inside :func:`cpgraph.ops.invariant_mode.deterministic`,
+    and Inductor compiles with its numerics-stable settings.  Not with
+    ``ep > 1`` (the expert-parallel combine sums a row's slots on another
+    path than the single-device experts).  See ``docs/deterministic.md``.
     """
 
     group: object = None
@@ -53,6 +62,7 @@ class CPConfig:
     ep: int = 1
     ep_capacity_slots: int | None = None
     fp8_records_in_place: bool = False
+    deterministic: bool = False
     group_name: str = field(default="", init=False)
 
     def __post_init__(self):
@@ -85,6 +95,11 @@ class CPConfig:
         if self.ep > 1 and "compact_moe_rows" in self.disabled_passes:
             raise ValueError("CPConfig: ep > 1 needs the compact_moe_rows pass (it sends rows to their experts' ranks)")
         object.__setattr__(self, "moe_modules", tuple(self.moe_modules))
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"CPConfig: deterministic must be a bool, got {self.deterministic!r}")
+        if self.deterministic and self.ep > 1:
+            raise ValueError("CPConfig: deterministic=True needs ep=1 (the expert-parallel combine is not the "
+                             "single-device one; docs/deterministic.md)")
 
     def cache_key(self) -> dict:
         """The fields that change generated code (for ``uuid()``); no rank, no group object.

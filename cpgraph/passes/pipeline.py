@@ -11,6 +11,7 @@ from .cleanup import eliminate_dead_code, sort_topologically
 from .compact_moe import compact_moe_rows
 from .gather_outputs import gather_output_rows
 from .index_cache import reuse_shared_topk
+from .invariant_kernels import use_invariant_kernels
 from .kv_in_place import read_kv_in_place
 from .lint import reject_host_syncs
 from .lower_collectives import lower_cp_collectives
@@ -24,6 +25,7 @@ def default_passes():
         ("read_kv_in_place", read_kv_in_place),
         ("compact_moe_rows", compact_moe_rows),
         ("gather_output_rows", gather_output_rows),
+        ("use_invariant_kernels", use_invariant_kernels),  # only with CPConfig(deterministic=True)
         ("lower_cp_collectives", lower_cp_collectives),
         ("eliminate_dead_code", eliminate_dead_code),
         ("sort_topologically", sort_topologically),

@@ -21,6 +21,7 @@ its input (the checkpoint, the KV layout it asks for) comes back as an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_mod
 import socket
@@ -56,6 +57,7 @@ class CPRunSpec:
     l3: str | None = None  # with cache: the L3 page store spec (every rank opens its own; docs/cache.md)
     log_level: int | None = None  # logging level for the cpgraph logger in each rank (None: leave as is)
     draft: bool = False  # also run the MTP draft layer (a second compiled graph) after the target
+    deterministic: bool = False  # CPConfig(deterministic=True); the eager reference runs in the mode too
 
 
 @dataclass
@@ -127,7 +129,8 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
             model = model.to(f"cuda:{rank}")
         model.eval()
         model.kv_layout = layout
-        compiled = compile(model, CPConfig(group=dist.group.WORLD, cp_size=spec.cp), backend=spec.backend, dynamic=True)
+        cp_cfg = CPConfig(group=dist.group.WORLD, cp_size=spec.cp, deterministic=spec.deterministic)
+        compiled = compile(model, cp_cfg, backend=spec.backend, dynamic=True)
 
         def forward(ids, meta, mla, index, **kw):
             return compiled(ids, meta, mla, index, **kw)
@@ -135,8 +138,7 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
         kw = dict(prefix_lens=spec.prefix_lens, kv_format=spec.kv_format, page_size=spec.page_size,
                   rank=rank, cp_size=spec.cp)
         if spec.draft:  # the draft is a graph of its own (docs/mtp.md), compiled with the same passes
-            kw["draft"] = compile(model.draft_module(), CPConfig(group=dist.group.WORLD, cp_size=spec.cp),
-                                  backend=spec.backend, dynamic=True)
+            kw["draft"] = compile(model.draft_module(), cp_cfg, backend=spec.backend, dynamic=True)
         cache = None
         if spec.cache:
             cache, res, compile_s, seconds = _cached_runs(spec, forward, model, rank, cuda, report)
@@ -179,8 +181,11 @@ def _worker(rank: int, spec: CPRunSpec, port: int, queue) -> None:
             dkw = {}
             if spec.draft:  # the same target tokens as the CP run, so the drafts see the same inputs
                 dkw = dict(draft=model.draft_module(), draft_tokens=res.sampled.tolist())
-            ref = reference_run(eager, model, spec.prompts, prefix_lens=spec.prefix_lens, kv_format=spec.kv_format,
-                                page_size=spec.page_size, **dkw)
+            from cpgraph.ops.invariant_mode import deterministic
+
+            with deterministic() if spec.deterministic else contextlib.nullcontext():  # the draft's products too
+                ref = reference_run(eager, model, spec.prompts, prefix_lens=spec.prefix_lens,
+                                    kv_format=spec.kv_format, page_size=spec.page_size, **dkw)
             payload = CPRunResult(
                 logits=logits,
                 reference=ref.logits.float().cpu(),

@@ -160,7 +160,7 @@ def rank_layout(world_size: int, cp: int, ep: int = 1, num_experts: int | None =
     return RankLayout(world_size, cp, ep)
 
 
-def compiler_config(layout: RankLayout, group):
+def compiler_config(layout: RankLayout, group, deterministic: bool = False):
     """The :class:`~cpgraph.passes.CPConfig` a rank compiles with: its CP group, and EP as the layout says.
 
     With ``ep > 1`` the rank holds only its expert shard, so the compiler must
@@ -168,7 +168,7 @@ def compiler_config(layout: RankLayout, group):
     """
     from cpgraph.passes import CPConfig
 
-    return CPConfig(group=group, cp_size=layout.cp, ep=layout.ep)
+    return CPConfig(group=group, cp_size=layout.cp, ep=layout.ep, deterministic=deterministic)
 
 
 def round_robin(num_prompts: int, dp: int) -> list[list[int]]:
@@ -215,6 +215,7 @@ class LaunchSpec:
     timeout: float = 600.0  # seconds a collective (and the rendezvous) may wait
     repeat: int = 1  # prefill runs; the first includes compilation
     json_out: str | None = None  # checked (writable) on global rank 0 before the run; the caller writes it
+    deterministic: bool = False  # CPConfig(deterministic=True): row-invariant products (docs/deterministic.md)
 
 
 @dataclass
@@ -378,7 +379,7 @@ def _run_joined(spec, env: LaunchEnv, layout: RankLayout, cfg, device, group_id:
     model = model.to(device).eval()
     model.kv_layout = kv_layout
     weight_bytes = weight_bytes_per_rank(model)
-    compiled = compile(model, compiler_config(layout, group), backend=spec.backend, dynamic=True)
+    compiled = compile(model, compiler_config(layout, group, spec.deterministic), backend=spec.backend, dynamic=True)
 
     def forward(ids, meta, mla, index, **kw):
         return compiled(ids, meta, mla, index, **kw)

@@ -58,6 +58,7 @@ class ServeSpec:
     warmup_tokens: int = 64
     timeout: float = 600.0  # seconds a CP collective may wait
     log_level: int | None = None
+    deterministic: bool = False  # row-invariant products, eager or compiled (docs/deterministic.md)
 
 
 def served_names(spec: ServeSpec) -> tuple[str, ...]:
@@ -79,10 +80,15 @@ def make_forward(model, spec: ServeSpec, cp_config=None):
         def forward(ids, meta, mla, index, **kw):
             return model(ids, meta, mla, index, **kw)
 
+        if spec.deterministic:
+            from cpgraph.ops.invariant_mode import deterministic_forward
+
+            return deterministic_forward(forward)
         return forward
     from cpgraph.passes import CPConfig, compile
 
-    compiled = compile(model, cp_config or CPConfig(), backend=spec.backend, dynamic=True)
+    compiled = compile(model, cp_config or CPConfig(deterministic=spec.deterministic), backend=spec.backend,
+                       dynamic=True)
 
     def forward(ids, meta, mla, index, **kw):
         return compiled(ids, meta, mla, index, **kw)
@@ -232,7 +238,7 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
         model, layout = load_rank_model(launch, lay, grank)
         model = model.to(device).eval()
         model.kv_layout = layout
-        forward = make_forward(model, spec, CPConfig(group=group, cp_size=spec.cp))
+        forward = make_forward(model, spec, CPConfig(group=group, cp_size=spec.cp, deterministic=spec.deterministic))
         if not cuda:  # the ranks share this machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.cp))
         engine = build_engine(model, forward, spec, rank=grank, group=group, control_group=ctl, src=gid * spec.cp,
