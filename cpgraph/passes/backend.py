@@ -45,6 +45,7 @@ from torch._inductor import config as inductor_config
 from cpgraph.ops.providers import bind_providers
 
 from .config import CPConfig
+from .graph_facts import PassMatchError
 from .invariant_kernels import inductor_options, run_mode
 from .manager import CPPassManager, PassFn
 from .pipeline import default_passes
@@ -87,7 +88,10 @@ class CompiledForward:
     """What :func:`compile` returns: calls the ``torch.compile``-d model under :func:`trace_settings`, without grad.
 
     Attributes other than ``cpgraph_passes`` come from the ``torch.compile``
-    result (an ``OptimizedModule`` for a module), so it reads like one.
+    result (an ``OptimizedModule`` for a module), so it reads like one.  A
+    pass's :class:`~cpgraph.passes.graph_facts.PassMatchError` (a model that
+    breaks a contract rule) is raised as itself, not wrapped in Dynamo's
+    ``BackendCompilerFailed``.
     """
 
     def __init__(self, compiled, manager: CPPassManager):
@@ -96,7 +100,15 @@ class CompiledForward:
 
     def __call__(self, *args: Any, **kwargs: Any):
         with trace_settings(), torch.no_grad(), run_mode(self.cpgraph_passes.cfg):  # an inference forward
-            return self._compiled(*args, **kwargs)
+            try:
+                return self._compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as failed:
+                # A broken model-contract rule is the whole story: raise it as itself, not
+                # wrapped in Dynamo's backend-failure report (docs/model_contract.md).
+                inner = getattr(failed, "inner_exception", None)
+                if isinstance(inner, PassMatchError):
+                    raise inner from None
+                raise
 
     def __getattr__(self, name: str):
         if name == "_compiled":  # not set yet (e.g. during unpickling): no recursion

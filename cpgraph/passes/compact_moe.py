@@ -22,7 +22,11 @@ After::
 
 The static form keeps every shape independent of data (CUDA-graph capture
 across batches of one bucket); ``num_valid`` stays on the device for
-providers that bound their work.  Rows are row-local through the region, so
+providers that bound their work: a ``moe_experts`` call of the region that
+the model gave no real-row count (a model written without padding in mind)
+gets it.  A ``moe_experts`` call outside every region is an error (rule
+``moe-experts-in-region`` of docs/model_contract.md): its padding rows would
+reach the router unnoticed.  Rows are row-local through the region, so
 valid rows' outputs are unchanged and dummies come back as exact zeros.
 
 With expert parallelism (``CPConfig.ep > 1``) the pass then wraps the routed
@@ -36,12 +40,18 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .cleanup import sort_topologically
 from .config import CPConfig
 from .expert_parallel import dispatch_moe_experts
-from .fx_utils import insert_call
+from .fx_utils import find_nodes, insert_call, is_op
 from .graph_facts import PassMatchError, module_regions, order_of, row_windows, tensor_val
+
+
+# Position of ``num_valid`` in ``cpgraph::moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid, ...)``.
+_NUM_VALID = 5
+_ROW_VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
 
 
 def _region_io(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -62,15 +72,71 @@ def _region_io(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     return inputs, outputs
 
 
+def _rows_of(node, xc: fx.Node) -> bool:
+    """Whether ``node`` is ``xc`` or a reshape of it that keeps its rows (``[M, 1, H] -> [M, H]``)."""
+    for _ in range(8):
+        if node is xc:
+            return True
+        if not (isinstance(node, fx.Node) and is_op(node, *_ROW_VIEWS)):
+            return False
+        v, src = tensor_val(node), tensor_val(node.args[0])
+        if v is None or src is None or v.dim() < 1 or src.dim() < 1:
+            return False
+        if not statically_known_true(v.shape[0] == src.shape[0]):
+            return False
+        node = node.args[0]
+    return False
+
+
+def _count_real_rows(nodes: list[fx.Node], xc: fx.Node, count: fx.Node) -> bool:
+    """Hand the compaction's real-row count to the region's ``moe_experts`` calls that were given none.
+
+    A model's MoE knows nothing of padding and may call the experts without
+    ``num_valid``; after compaction the real rows lead, so their count bounds
+    the experts' work (and the expert-parallel dispatch) to real rows.  Only
+    calls whose rows are the compacted input's rows get it.  Returns whether
+    any call took it.
+    """
+    used = False
+    for node in nodes:
+        if not is_op(node, "cpgraph.moe_experts") or not _rows_of(node.args[0], xc):
+            continue
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if len(args) > _NUM_VALID:
+            if args[_NUM_VALID] is not None:
+                continue
+            args[_NUM_VALID] = count
+        elif kwargs.get("num_valid") is not None:
+            continue
+        elif len(args) == _NUM_VALID:
+            args.append(count)
+            kwargs.pop("num_valid", None)
+        else:
+            kwargs["num_valid"] = count
+        node.args, node.kwargs = tuple(args), kwargs
+        used = True
+    return used
+
+
 def compact_moe_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
     """Compact valid rows before every MoE region and restore the compute layout after it."""
     graph = gm.graph
     regions = module_regions(graph, cfg.moe_modules)
+    if cfg.moe_modules:
+        inside = {n for nodes in regions.values() for n in nodes}
+        stray = [n for n in find_nodes(graph, "cpgraph.moe_experts") if n not in inside]
+        if stray:
+            raise PassMatchError(
+                f"moe_experts calls {[n.name for n in stray]} lie outside every MoE region (modules of classes "
+                f"{list(cfg.moe_modules)}): their padding rows would reach the router; name the module class that "
+                "holds the router and the experts in CPConfig(moe_modules=...)", rule="moe-experts-in-region",
+                nodes=stray)
     if not regions:
         return dispatch_moe_experts(gm, cfg)
     windows = row_windows(graph)
     if windows is None:
-        raise PassMatchError("MoE regions found but no indexer row windows (ks, ke) to tell real rows from dummies")
+        raise PassMatchError(f"MoE regions {sorted(regions)} found but no indexer op whose row windows (ks, ke) tell "
+                             "real rows from dummies", rule="row-window-present")
     ks, ke = windows
     order = order_of(graph)
     first = min((n for nodes in regions.values() for n in nodes), key=order.get)
@@ -82,8 +148,8 @@ def compact_moe_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
         if len(inputs) != 1 or len(outputs) != 1:
             raise PassMatchError(
                 f"MoE region {path}: expected one computed input and one output, found "
-                f"{[n.name for n in inputs]} -> {[n.name for n in outputs]}"
-            )
+                f"{[n.name for n in inputs]} -> {[n.name for n in outputs]}", rule="moe-region-io",
+                nodes=inputs + outputs)
         (x,), (y,) = inputs, outputs
         inside = set(nodes)
         start = min(nodes, key=order.get)
@@ -94,6 +160,11 @@ def compact_moe_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
         for n in nodes:
             if x in n.all_input_nodes:
                 n.replace_input_with(x, xc)
+        with graph.inserting_after(xc):
+            count = graph.call_function(operator.getitem, (packed, 1))
+            count.meta["val"] = packed.meta["val"][1]
+        if not _count_real_rows(nodes, xc, count):
+            graph.erase_node(count)
         outside_users = [u for u in y.users if u not in inside]
         with graph.inserting_after(y):
             restored = insert_call(graph, torch.ops.cpgraph.restore_compute_static.default, (y, row_kind))

@@ -103,15 +103,13 @@ def dispatch_moe_experts(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
             if width is not None and width != local:
                 raise PassMatchError(
                     f"{node.name}: the router scores {width} experts but the experts hold {local}; "
-                    f"a model holding an expert shard needs CPConfig(ep=cp_size)"
-                )
+                    f"a model holding an expert shard needs CPConfig(ep=cp_size)", rule="expert-shard", nodes=[node])
             continue
         num_experts = local * cfg.ep
         if width is not None and width != num_experts:
             raise PassMatchError(
                 f"{node.name}: the router scores {width} experts but {local} local experts x ep {cfg.ep} = "
-                f"{num_experts}; load each rank's shard with ep_size={cfg.ep}"
-            )
+                f"{num_experts}; load each rank's shard with ep_size={cfg.ep}", rule="expert-shard", nodes=[node])
         top_k = tensor_val(a["topk_ids"]).shape[1]
         slots = cfg.ep_capacity_slots or min(top_k, local)
         x_val = tensor_val(a["x"])

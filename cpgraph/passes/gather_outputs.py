@@ -17,7 +17,10 @@ Before::                               After (cp = 2)::
     hid = take_rows(norm(x), rr_idx)       hid = cp_rerange(norm(x), rr_idx, group, 2)
 
 Only selections at the top level of the model are touched (not inside any
-submodule), and only those whose index is a graph input (plan metadata).
+submodule), and only those whose index is a graph input (plan metadata):
+``graph_facts.output_row_selections``, the same set the row-scope check
+reads, which refuses a CP graph whose "global" output no such selection
+computes (docs/model_contract.md, rule ``row-scope-consistent``).
 """
 
 from __future__ import annotations
@@ -28,15 +31,10 @@ import torch
 import torch.fx as fx
 
 from .config import CPConfig
-from .fx_utils import find_nodes, insert_call, is_op
+from .fx_utils import insert_call, is_op
+from .graph_facts import output_row_selections
 
 _MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear")
-
-
-def _top_level(node: fx.Node) -> bool:
-    stack = node.meta.get("nn_module_stack") or {}
-    # Dynamo records the root module itself as the outermost entry (or nothing at all).
-    return len(stack) <= 1
 
 
 def _feeds_matmul(node: fx.Node) -> bool:
@@ -52,20 +50,12 @@ def _feeds_matmul(node: fx.Node) -> bool:
     return False
 
 
-def output_selections(graph: fx.Graph) -> list[fx.Node]:
-    return [
-        n
-        for n in find_nodes(graph, "cpgraph.take_rows")
-        if _top_level(n) and isinstance(n.args[1], fx.Node) and n.args[1].op == "placeholder"
-    ]
-
-
 def gather_output_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
     """Turn top-level output row selections into ``cp_last_tokens`` / ``cp_rerange``."""
     if cfg.cp_size == 1:
         return gm
     graph = gm.graph
-    for node in output_selections(graph):
+    for node in output_row_selections(graph):
         rows, index = node.args
         op = torch.ops.cpgraph.cp_last_tokens.default if _feeds_matmul(node) else torch.ops.cpgraph.cp_rerange.default
         with graph.inserting_before(node):

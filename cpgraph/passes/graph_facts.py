@@ -25,8 +25,49 @@ _WINDOW_ARGS = {
 }
 
 
+# The rules of the model contract (docs/model_contract.md, one section per id) that a pass
+# checks on the graph.  A broken rule is a ``PassMatchError`` naming the rule and the nodes,
+# raised before anything is rewritten, never a silently different graph.
+CONTRACT_RULES = {
+    "one-row-window": "every indexer op reads the same (ks, ke) row windows",
+    "row-window-present": "a graph with KV stores or MoE regions has an indexer op whose (ks, ke) tell real rows "
+                          "from dummies",
+    "pool-ops-only": "KV pools are graph inputs read and written by cpgraph's ops only, functionalised once per "
+                     "write",
+    "compose-outputs-unpacked": "the views kv_compose returns are used through getitem only",
+    "compose-feeds-attention": "every kv_compose view reaches a sparse_mla call",
+    "one-kv-source": "the kv_compose calls serving one sparse_mla share one kv_source",
+    "keys-from-compose": "under CP, the keys sparse_mla and the indexer read are composed by kv_compose",
+    "materialised-view": "a sparse_mla over a kv_compose view reads prefix rows gathered from the pool its current "
+                         "rows are stored into",
+    "index-topk-pattern": "CPConfig.index_topk_pattern fits the graph's attention layers and indexers",
+    "moe-region-io": "an MoE module region takes one computed row tensor and returns one",
+    "moe-experts-in-region": "every moe_experts call lies inside an MoE module region (CPConfig.moe_modules)",
+    "expert-shard": "the router scores as many experts as the experts hold times CPConfig.ep",
+    "row-scope-stated": "a CP graph with output row selections states the row scope of every output",
+    "row-scope-consistent": "outputs stated 'local' hold this rank's rows, outputs stated 'global' are computed "
+                            "from a row selection",
+    "no-host-syncs": "the forward reads no device value on the host and has no data-dependent shape",
+}
+CONTRACT_DOC = "docs/model_contract.md"
+
+
 class PassMatchError(RuntimeError):
-    """The graph does not have the structure a pass relies on; the pass refuses to guess."""
+    """The graph breaks a rule of the model contract; the pass refuses to guess.
+
+    ``rule`` is the rule's id (a key of :data:`CONTRACT_RULES`, a section of
+    ``docs/model_contract.md``) and ``nodes`` the names of the nodes that
+    break it; the message states both.
+    """
+
+    def __init__(self, message: str, *, rule: str | None = None, nodes=()):
+        if rule is not None:
+            if rule not in CONTRACT_RULES:
+                raise ValueError(f"PassMatchError: unknown contract rule {rule!r}")
+            message = f"model contract rule '{rule}' ({CONTRACT_RULES[rule]}): {message} [{CONTRACT_DOC}#{rule}]"
+        super().__init__(message)
+        self.rule = rule
+        self.nodes = tuple(n.name if isinstance(n, fx.Node) else str(n) for n in nodes)
 
 
 def order_of(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -50,7 +91,10 @@ def row_windows(graph: fx.Graph) -> tuple[fx.Node, fx.Node] | None:
     if not found:
         return None
     if len(found) > 1:
-        raise PassMatchError(f"indexer ops read {len(found)} different (ks, ke) window pairs; expected one per batch")
+        users = [n for n in graph.nodes if (op := op_of(n)) is not None and op_name(op) in _WINDOW_ARGS]
+        raise PassMatchError(
+            f"indexer ops {[n.name for n in users]} read {len(found)} different (ks, ke) window pairs; expected one "
+            "per batch", rule="one-row-window", nodes=users)
     return found.pop()
 
 
@@ -72,6 +116,27 @@ def first_user_of_kind(node: fx.Node, names: tuple[str, ...], order: dict[fx.Nod
     return best
 
 
+# Ops that hand a tensor's rows on unchanged in meaning (views, copies, casts, the FP8 record unpack).
+_PASS_THROUGH = ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.alias", "aten.clone", "aten.slice",
+                 "aten.select", "aten.expand", "aten.permute", "aten.unsqueeze", "aten.squeeze", "aten._to_copy",
+                 "prims.convert_element_type", "cpgraph.mla_fp8_unpack")
+_COMPOSERS = ("cpgraph.kv_compose", "cpgraph.cp_materialize_kv")
+
+
+def composed_by(node) -> fx.Node | None:
+    """The ``kv_compose`` / ``cp_materialize_kv`` whose output ``node`` is (through views and casts), else ``None``."""
+    for _ in range(32):
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return None
+        if node.target is operator.getitem:
+            src = node.args[0]
+            return src if isinstance(src, fx.Node) and is_op(src, *_COMPOSERS) else None
+        if not is_op(node, *_PASS_THROUGH):
+            return None
+        node = node.args[0]
+    return None
+
+
 def list_outputs(node: fx.Node) -> dict[int, fx.Node]:
     """``getitem(node, k)`` users of a node that returns a list/tuple, by ``k``."""
     out = {}
@@ -79,7 +144,8 @@ def list_outputs(node: fx.Node) -> dict[int, fx.Node]:
         if user.op == "call_function" and user.target is operator.getitem:
             out[user.args[1]] = user
         else:
-            raise PassMatchError(f"node {node.name}'s list output is used by {user.name} without getitem")
+            raise PassMatchError(f"node {node.name}'s list output is used by {user.name} without getitem",
+                                 rule="compose-outputs-unpacked", nodes=[node, user])
     return out
 
 
@@ -184,7 +250,8 @@ def version_at(value: fx.Node, reader: fx.Node, order: dict[fx.Node, int]) -> fx
         if not mutations:
             return value
         if len(mutations) > 1:
-            raise PassMatchError(f"buffer value {value.name} is mutated by {len(mutations)} ops: {mutations}")
+            raise PassMatchError(f"buffer value {value.name} is mutated by {len(mutations)} ops: {mutations}",
+                                 rule="pool-ops-only", nodes=[value, *mutations])
         mutation = mutations[0]
         j = _returns_before_bases(mutation) + list(mutation.kwargs["_all_bases"]).index(value)
         nxt = [u for u in mutation.users if u.target is operator.getitem and u.args[1] == j]
@@ -248,6 +315,16 @@ def _reaches(starts, stop: set, targets: set) -> fx.Node | None:
     return None
 
 
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    seen, queue = set(), deque(node.all_input_nodes)
+    while queue:
+        n = queue.popleft()
+        if n not in seen:
+            seen.add(n)
+            queue.extend(n.all_input_nodes)
+    return list(seen)
+
+
 def read_row_scopes(gm: fx.GraphModule, cp_size: int) -> dict[str, str]:
     """Check the model's row-scope statements, record them in node metadata, drop the marker ops.
 
@@ -259,6 +336,10 @@ def read_row_scopes(gm: fx.GraphModule, cp_size: int) -> dict[str, str]:
     * an output row selection (which the output pass turns into a CP gather)
       that feeds no output stated "global";
     * a "global" output computed from "local" rows without passing such a selection;
+    * under CP, a "global" output computed from no such selection at all
+      (for example rows selected inside a submodule, or by aten indexing,
+      which the output pass does not rewrite: the output would be this
+      rank's rows, stated global);
     * a "local" output computed from a selection's (gathered) rows.
     """
     graph = gm.graph
@@ -268,38 +349,50 @@ def read_row_scopes(gm: fx.GraphModule, cp_size: int) -> dict[str, str]:
         if cp_size > 1 and selections:
             raise PassMatchError(
                 f"CP graph selects output rows ({', '.join(n.name for n in selections)}) but states no row "
-                "scope (cpgraph::row_scope): the output pass would have to guess which outputs are CP-local"
-            )
+                "scope (cpgraph::row_scope): the output pass would have to guess which outputs are CP-local",
+                rule="row-scope-stated", nodes=selections)
         return {}
     scopes: dict[fx.Node, str] = {}
     for m in markers:
         scope = m.args[1] if len(m.args) > 1 else m.kwargs.get("scope")
         if scope not in ("local", "global"):
-            raise PassMatchError(f"row_scope {m.name} states scope {scope!r}; expected 'local' or 'global'")
+            raise PassMatchError(f"row_scope {m.name} states scope {scope!r}; expected 'local' or 'global'",
+                                 rule="row-scope-stated", nodes=[m])
         scopes[m] = scope
-    unstated = [n.name for n in _graph_outputs(graph) if n not in scopes]
+    unstated = [n for n in _graph_outputs(graph) if n not in scopes]
     if unstated:
         raise PassMatchError(
-            f"graph outputs {unstated} state no row scope (cpgraph::row_scope); a pass cannot tell CP-local rows "
-            "from global ones"
-        )
+            f"graph outputs {[n.name for n in unstated]} state no row scope (cpgraph::row_scope); a pass cannot tell "
+            "CP-local rows from global ones", rule="row-scope-stated", nodes=unstated)
     local = {m for m, s in scopes.items() if s == "local"}
     glob = {m for m, s in scopes.items() if s == "global"}
     sel = set(selections)
     for s in selections:
         if _reaches([s], set(), glob) is None:
             raise PassMatchError(
-                f"output row selection {s.name} feeds no output stated 'global': cannot tell whether it is a CP gather"
-            )
+                f"output row selection {s.name} feeds no output stated 'global': cannot tell whether it is a CP gather",
+                rule="row-scope-consistent", nodes=[s])
         bad = _reaches([s], set(), local)
         if bad is not None:
-            raise PassMatchError(f"output {bad.name} is stated 'local' but is computed from gathered rows ({s.name})")
+            raise PassMatchError(f"output {bad.name} is stated 'local' but is computed from gathered rows ({s.name})",
+                                 rule="row-scope-consistent", nodes=[bad, s])
     for m in local:
         bad = _reaches(list(m.users), sel, glob)
         if bad is not None:
             raise PassMatchError(
-                f"output {bad.name} is stated 'global' but is computed from local rows ({m.name}) without a row selection"
-            )
+                f"output {bad.name} is stated 'global' but is computed from local rows ({m.name}) without a row "
+                "selection",
+                rule="row-scope-consistent", nodes=[bad, m])
+    if cp_size > 1:
+        for m in glob:
+            if m.args[0].op == "placeholder" or _reaches(selections, set(), {m}) is not None:
+                continue
+            inner = [n.name for n in _ancestors(m) if is_op(n, "cpgraph.take_rows")]
+            hint = f"; the row selections {inner} are not at the model's top level" if inner else ""
+            raise PassMatchError(
+                f"output {m.name} is stated 'global' but no output row selection (cpgraph.take_rows by a graph-input "
+                f"index, at the top level of the compiled module) computes it: under CP it would hold this rank's "
+                f"rows{hint}", rule="row-scope-consistent", nodes=[m])
     described = {}
     for m, scope in scopes.items():
         src = m.args[0]

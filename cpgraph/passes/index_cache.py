@@ -41,11 +41,13 @@ def _index_compose(topk: fx.Node) -> fx.Node:
     """The ``kv_compose`` that built the keys this top-k ranked (through the logits op if separate)."""
     scorer = topk.args[0] if is_op(topk, "cpgraph.topk_ragged", "cpgraph.topk_paged") else topk
     if not is_op(scorer, "cpgraph.indexer_topk", "cpgraph.indexer_logits", "cpgraph.indexer_logits_fp8"):
-        raise PassMatchError(f"top-k {topk.name} is not fed by an indexer scoring op")
+        raise PassMatchError(f"top-k {topk.name} is not fed by an indexer scoring op", rule="index-topk-pattern",
+                             nodes=[topk])
     keys = scorer.args[1]
     if keys.target is operator.getitem and is_op(keys.args[0], "cpgraph.kv_compose", "cpgraph.cp_materialize_kv"):
         return keys.args[0]
-    raise PassMatchError(f"the keys of {scorer.name} do not come from a kv_compose")
+    raise PassMatchError(f"the keys of {scorer.name} do not come from a kv_compose", rule="index-topk-pattern",
+                         nodes=[scorer])
 
 
 def _key_sources(topk: fx.Node) -> set:
@@ -71,7 +73,8 @@ def _drop_store(graph: fx.Graph, store: fx.Node) -> None:
             user.replace_all_uses_with(base)
             graph.erase_node(user)
     if store.users:
-        raise PassMatchError(f"cannot drop store {store.name}: unexpected users {list(store.users)}")
+        raise PassMatchError(f"cannot drop store {store.name}: unexpected users {list(store.users)}",
+                             rule="pool-ops-only", nodes=[store, *store.users])
     graph.erase_node(store)
 
 
@@ -83,7 +86,8 @@ def reuse_shared_topk(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
     graph = gm.graph
     attention = find_nodes(graph, "cpgraph.sparse_mla")
     if len(attention) != len(pattern):
-        raise PassMatchError(f"index_topk_pattern has {len(pattern)} layers but the graph has {len(attention)}")
+        raise PassMatchError(f"index_topk_pattern has {len(pattern)} layers but the graph has {len(attention)} "
+                             f"sparse_mla calls", rule="index-topk-pattern", nodes=attention)
     current = None
     stores = [n for n in find_nodes(graph, *_INDEX_STORES) if n.target in _AUTO_FUNC]
     for layer, (attn, kind) in enumerate(zip(attention, pattern)):
@@ -91,7 +95,8 @@ def reuse_shared_topk(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
         own = isinstance(topk, fx.Node) and is_op(topk, *_TOPK) and topk is not current
         if kind == "F":
             if not own:
-                raise PassMatchError(f"layer {layer} is 'F' in index_topk_pattern but runs no indexer of its own")
+                raise PassMatchError(f"layer {layer} is 'F' in index_topk_pattern but runs no indexer of its own "
+                                     f"({attn.name})", rule="index-topk-pattern", nodes=[attn])
             current = topk
             continue
         if not own:

@@ -115,15 +115,15 @@ class _Layer:
         if self.compose is None:
             return
         if len(attn.args) != 5 or attn.kwargs:
-            raise PassMatchError(f"{attn.name} does not take (q, kv, idx, sm_scale, d_v) positionally")
+            raise PassMatchError(f"{attn.name} does not take (q, kv, idx, sm_scale, d_v) positionally",
+                                 rule="materialised-view", nodes=[attn])
         k = kv.args[1]
         prefix_rows, current_rows, self.kv_source = self.compose.args[:3]
         self.gather, current = prefix_rows[k], current_rows[k]
         if not (isinstance(self.gather, fx.Node) and is_op(self.gather, "cpgraph.paged_gather")):
             raise PassMatchError(
                 f"the KV of {attn.name} is composed from prefix rows {self.gather} that are not a paged_gather "
-                "of a pool; cannot read it in place"
-            )
+                "of a pool; cannot read it in place", rule="materialised-view", nodes=[attn, self.compose])
         pool_value, self.prefix_slots = self.gather.args[:2]
         self.pool = version_at(pool_value, attn, order)
         history = version_history(self.pool)
@@ -131,22 +131,22 @@ class _Layer:
         if not stores:
             raise PassMatchError(
                 f"this forward's KV rows {current.name} are not stored into the pool {pool_value.name} read by "
-                f"{self.gather.name} before {attn.name}; reading the pool in place would miss them"
-            )
+                f"{self.gather.name} before {attn.name}; reading the pool in place would miss them",
+                rule="materialised-view", nodes=[attn, current])
         # Between the prefix gather and the attention the pool may only gain these rows
         # (events change no bytes); any other write would make the pool differ from the view.
         for m in history[len(version_history(pool_value)):]:
             if m not in stores and not is_op(m, *_EVENTS):
                 raise PassMatchError(
-                    f"{m.name} writes the pool of {attn.name} between its prefix gather and the attention"
-                )
+                    f"{m.name} writes the pool of {attn.name} between its prefix gather and the attention",
+                    rule="materialised-view", nodes=[m, attn])
         self.slots = stores[-1].kwargs["slots"]
         self.records_fp8 = tensor_val(self.pool).dtype == torch.uint8
         if self.records_fp8 != (self.unpack is not None):
             raise PassMatchError(
                 f"{attn.name} reads {'unpacked FP8' if self.unpack is not None else 'dense'} KV but its pool "
-                f"{self.pool.name} holds {tensor_val(self.pool).dtype} records"
-            )
+                f"{self.pool.name} holds {tensor_val(self.pool).dtype} records", rule="materialised-view",
+                nodes=[attn, self.pool])
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:

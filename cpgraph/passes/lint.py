@@ -19,10 +19,11 @@ import torch
 import torch.fx as fx
 
 from .fx_utils import op_name, op_of
+from .graph_facts import PassMatchError
 
 
-class HostSyncError(RuntimeError):
-    """A forward graph contains an op that synchronises with the host."""
+class HostSyncError(PassMatchError):
+    """A forward graph contains an op that synchronises with the host (model contract rule ``no-host-syncs``)."""
 
 
 _SCALAR = "reads a device value on the host"
@@ -117,6 +118,6 @@ def reject_host_syncs(gm: fx.GraphModule, cfg=None) -> fx.GraphModule:
             lines.append(f"  node '{node.name}' runs {overload_name(op_of(node))}: {host_sync_reason(node)} — from {src}")
         raise HostSyncError(
             "cpgraph: the forward graph synchronises with the host; CP prefill metadata must come from the "
-            "plan's device bundle instead:\n" + "\n".join(lines)
+            "plan's device bundle instead:\n" + "\n".join(lines), rule="no-host-syncs", nodes=bad
         )
     return gm
