@@ -88,34 +88,36 @@ def _rows_of(node, xc: fx.Node) -> bool:
     return False
 
 
-def _count_real_rows(nodes: list[fx.Node], xc: fx.Node, count: fx.Node) -> bool:
+def _count_real_rows(graph: fx.Graph, nodes: list[fx.Node], xc: fx.Node, count: fx.Node) -> dict[fx.Node, fx.Node]:
     """Hand the compaction's real-row count to the region's ``moe_experts`` calls that were given none.
 
     A model's MoE knows nothing of padding and may call the experts without
     ``num_valid``; after compaction the real rows lead, so their count bounds
     the experts' work (and the expert-parallel dispatch) to real rows.  Only
-    calls whose rows are the compacted input's rows get it.  Returns whether
-    any call took it.
+    calls whose rows are the compacted input's rows get it.  Each such call
+    is re-inserted (not edited: Inductor checks a traced call's arguments
+    against the ones it was traced with).  Returns ``{old call: new call}``.
     """
-    used = False
+    replaced = {}
     for node in nodes:
         if not is_op(node, "cpgraph.moe_experts") or not _rows_of(node.args[0], xc):
             continue
         args, kwargs = list(node.args), dict(node.kwargs)
-        if len(args) > _NUM_VALID:
-            if args[_NUM_VALID] is not None:
-                continue
-            args[_NUM_VALID] = count
-        elif kwargs.get("num_valid") is not None:
+        given = args[_NUM_VALID] if len(args) > _NUM_VALID else kwargs.get("num_valid")
+        if given is not None:
             continue
-        elif len(args) == _NUM_VALID:
+        if len(args) > _NUM_VALID:
+            args[_NUM_VALID] = count
+        elif len(args) == _NUM_VALID and not kwargs:
             args.append(count)
-            kwargs.pop("num_valid", None)
         else:
             kwargs["num_valid"] = count
-        node.args, node.kwargs = tuple(args), kwargs
-        used = True
-    return used
+        with graph.inserting_before(node):
+            new = insert_call(graph, torch.ops.cpgraph.moe_experts.default, tuple(args), kwargs)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        replaced[node] = new
+    return replaced
 
 
 def compact_moe_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
@@ -163,8 +165,11 @@ def compact_moe_rows(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
         with graph.inserting_after(xc):
             count = graph.call_function(operator.getitem, (packed, 1))
             count.meta["val"] = packed.meta["val"][1]
-        if not _count_real_rows(nodes, xc, count):
+        replaced = _count_real_rows(graph, nodes, xc, count)
+        if not count.users:
             graph.erase_node(count)
+        inside = {replaced.get(n, n) for n in nodes}
+        y = replaced.get(y, y)
         outside_users = [u for u in y.users if u not in inside]
         with graph.inserting_after(y):
             restored = insert_call(graph, torch.ops.cpgraph.restore_compute_static.default, (y, row_kind))

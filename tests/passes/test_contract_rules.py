@@ -266,6 +266,60 @@ def test_moe_experts_in_region_through_compile():
     torch._dynamo.reset()
 
 
+class MoE(nn.Module):
+    """Named as ``CPConfig.moe_modules`` defaults to: a router, then the experts called without a real-row count."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, 4, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(4, 6, D))
+        self.down = nn.Parameter(torch.randn(4, D, 3))
+
+    def forward(self, x):
+        w, ids = self.router(x).sigmoid().topk(2, dim=-1)
+        return ops.moe_experts(x, ids, w, self.gate_up, self.down) * 2
+
+
+class _WithMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.mlp = MoE()
+
+    def forward(self, x, keys, ks, ke):
+        topk = _topk(x, keys, ks, ke)  # the row windows: rows 1 and 3 are dummies (ks == ke)
+        return self.mlp(self.norm(x)), topk
+
+
+@pytest.mark.slow
+def test_moe_region_gets_the_real_row_count_under_inductor():
+    """The MoE pass hands its real-row count to a ``moe_experts`` called without one, in a form Inductor lowers."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, cfg):
+        (experts,) = find_nodes(gm.graph, "cpgraph.moe_experts")
+        count = experts.args[5] if len(experts.args) > 5 else experts.kwargs.get("num_valid")
+        graphs.append(count is not None and find_nodes(gm.graph, "cpgraph.compact_valid_static") == [count.args[0]])
+        return gm
+
+    model = _WithMoE()
+    fn = compile(model, CPConfig(), passes=default_passes() + [("capture", capture)])
+    x, keys = torch.randn(M, D), torch.randn(3, DI)
+    ks = torch.tensor([0, 1, 0, 2], dtype=torch.int32)
+    ke = torch.tensor([1, 1, 3, 2], dtype=torch.int32)
+    # Scalar C++ kernels in this process: the lowering is under test, not the CPU vector code.
+    with torch._inductor.config.patch(fx_graph_cache=False, **{"cpp.vec_isa_ok": False}):
+        out, _ = fn(x, keys, ks, ke)
+    torch._dynamo.reset()
+    assert graphs == [True]  # num_valid is the compaction's count
+    with torch.no_grad():
+        ref, _ = model(x, keys, ks, ke)
+    real = torch.tensor([True, False, True, False])
+    torch.testing.assert_close(out[real], ref[real])
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # dummy rows: exact zeros
+
+
 def test_expert_shard():
     def fn(x, pool, ipool, ks, ke, slots, prefix_slots, kv_source, w, gate_up, down, scores, **_):
         h = _layer(x, pool, ipool, ks, ke, slots, prefix_slots, kv_source)
