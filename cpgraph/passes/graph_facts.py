@@ -48,6 +48,7 @@ CONTRACT_RULES = {
     "row-scope-consistent": "outputs stated 'local' hold this rank's rows, outputs stated 'global' are computed "
                             "from a row selection",
     "no-host-syncs": "the forward reads no device value on the host and has no data-dependent shape",
+    "invariant-products": "with CPConfig(deterministic=True), every matrix product has a row-invariant form",
 }
 CONTRACT_DOC = "docs/model_contract.md"
 

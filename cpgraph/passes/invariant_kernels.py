@@ -96,7 +96,7 @@ def use_invariant_kernels(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
             _replace(graph, node, stand_ins[op], tuple(node.args), dict(node.kwargs))
         elif op_name(op) in REFUSED:
             raise PassMatchError(f"deterministic compile: {node.name} runs {op_name(op)}, which has no row-invariant "
-                                 f"form: {REFUSED[op_name(op)]}")
+                                 f"form: {REFUSED[op_name(op)]}", rule="invariant-products", nodes=[node])
     return gm
 
 

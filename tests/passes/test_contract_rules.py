@@ -357,6 +357,15 @@ def test_no_host_syncs():
     assert err.nodes and all(n in str(err) for n in err.nodes)
 
 
+def test_invariant_products():
+    def fn(x, pool, ipool, ks, ke, slots, prefix_slots, kv_source, **_):
+        h = _layer(x, pool, ipool, ks, ke, slots, prefix_slots, kv_source)
+        return torch.mv(h, h[0])  # a matrix-vector product: no row-invariant form
+
+    gm = _trace(fn)
+    _breaks("invariant-products", gm, CPConfig(deterministic=True), _node(gm, "aten.mv").name)
+
+
 # ------------------------------------------------------------------ the rules as a whole
 def test_every_pass_error_names_a_documented_rule():
     """Each ``PassMatchError(...)`` raised by a pass names a rule, and each rule has its section in the doc."""
