@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from cpgraph.plan import CPPlan, materialize_descriptors
+from cpgraph.plan.memory import DEFAULT_MAX_LOGITS_BYTES
 from cpgraph.plan.slots import slots_for_positions
 
 KV_FORMATS = ("dense", "fp8")
@@ -34,7 +35,7 @@ class KVLayout:
 
     kv_format: str = "dense"
     page_size: int = 16
-    max_logits_bytes: int = 512 << 20
+    max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES  # one definition: the planner models the same chunks
 
     def __post_init__(self):
         if self.kv_format not in KV_FORMATS:

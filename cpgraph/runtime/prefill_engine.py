@@ -568,7 +568,7 @@ class PrefillEngine:
                                        self.cache.pools, self.device, rank=self.rank)
             logits = out.logits
             if logits.is_cuda:  # the step's time is its GPU time; the first token is read from it right after
-                torch.cuda.current_stream(logits.device).synchronize()
+                torch.cuda.current_stream(logits.device).synchronize()  # sync-ok: engine step
             forward_s = time.perf_counter() - t0
         except Exception as exc:
             if self.cp_size > 1:
