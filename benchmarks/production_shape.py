@@ -385,10 +385,11 @@ CATEGORIES = (
     ("indexer select", r"_select_kernel|topk_select|select_topk|radix_select|indexer_select"),
     ("indexer score", r"_score_kernel|mqa_logits|indexer_logits|cpgraph::indexer_topk"),
     ("routed experts", r"(?i)group(ed)?_?(mm|gemm)|GroupProblemShape|_swiglu_quant_kernel|_combine_kernel"
-                       r"|cpgraph::moe_experts"),
+                       r"|cpgraph::(invariant_)?moe_experts|^_grouped_kernel$"),
     ("query assembly", r"^triton_\w*fused\w*_cat"),
     ("dense linears", r"(?i)nvjet|gemm|gemv|xmma|cutlass|cublas|scaled_mm|_quantize_kernel"
-                      r"|aten::(mm|addmm|bmm|matmul|linear)$|cpgraph::fp8_block_linear"),
+                      r"|aten::(mm|addmm|bmm|matmul|linear)$|cpgraph::fp8_block_linear|cpgraph::invariant_(mm|fp8_linear)"
+                      r"|^_mm_kernel$"),
     ("other", r"(?i)elementwise|reduce|^triton_(poi|per|red)_|index|scatter|gather|sort|topk|copy|memcpy|memset"
               r"|fill|cat|norm|softmax|_move_rows|_pack_kernel|_unpack_kernel|_store_kernel|_segments_kernel"
               r"|_valid_scan|hadamard|^cpgraph::|^aten::"),

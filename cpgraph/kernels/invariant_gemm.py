@@ -36,7 +36,8 @@ Static shapes, no host syncs: CUDA-graph capturable.  Under
 patterns and multiplied in fp32 (the interpreter has no bf16), with
 interpreter-sized tiles: invariant there too, not bitwise equal to the GPU.
 ``CPGRAPH_INVARIANT_GEMM_TILES=BM,BN,BK,warps,stages`` overrides the bf16 /
-fp16 config (for tuning on a GPU; it changes bits, not invariance).
+fp16 config, ``CPGRAPH_INVARIANT_GEMM_TILES_F32`` the fp32 one (for tuning on a
+GPU with ``benchmarks/invariant_gemm_bench.py``; it changes bits, not invariance).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from .fp8_grouped import _tile_of, grouped_gemm, swiglu_quantize
 from .fp8_linear import block_scaled_gemm, quantize_activations
 
 TILES_ENV = "CPGRAPH_INVARIANT_GEMM_TILES"
+TILES_F32_ENV = "CPGRAPH_INVARIANT_GEMM_TILES_F32"
 _KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
 # (BM, BN, warps, stages) of the FP8 GEMMs: the measured defaults of .fp8_linear / .fp8_grouped, stated here so
 # that a later per-M tuning there cannot silently make deterministic mode depend on M.
@@ -71,23 +73,28 @@ def fp8_tiles() -> tuple[int, int, int, int]:
 def tiles(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """``(BM, BN, BK, num_warps, num_stages)`` for a ``[K, N]`` weight of ``dtype``: never a function of ``M``.
 
-    bf16 / fp16: 128 x 128 x 64 tiles, 8 warps, 4 stages (two warpgroups of
-    tensor-core MMAs; narrow weights take 64-column tiles).  fp32 is
-    multiplied exactly (``input_precision="ieee"``, no TF32), with smaller
-    tiles.  The interpreter takes 64 x 64 x 64 tiles (its cost is per
-    program).
+    bf16 / fp16: 256 x 128 x 64 tiles, 8 warps, 3 stages (two warpgroups of
+    tensor-core MMAs, 144 KiB of operand stages); narrow weights (N <= 64)
+    take 128 x 64 tiles, 4 stages.  fp32 is multiplied exactly
+    (``input_precision="ieee"``, no TF32) on 64 x 128 x 32 tiles (64 x 64
+    for narrow weights).  Picked by ``benchmarks/invariant_gemm_bench.py``
+    on an H200 at DeepSeek-V3.2's products (docs/deterministic.md, "Cost"):
+    the bf16 tile took the dense layer's products from 1.47x to 1.27x
+    cuBLAS's time, the fp32 one the router's from 3.7x to 2.4x.  The
+    interpreter takes 64 x 64 x 64 tiles (its cost is per program).
     """
     if interpreting():
         return 64, 64, 64, 4, 1
-    if dtype == torch.float32:
-        return 64, 64, 32, 4, 3
-    override = os.environ.get(TILES_ENV, "").strip()
+    env = TILES_F32_ENV if dtype == torch.float32 else TILES_ENV
+    override = os.environ.get(env, "").strip()
     if override:
         parts = [int(p) for p in override.split(",")]
         if len(parts) != 5:
-            raise ValueError(f"{TILES_ENV} must be BM,BN,BK,warps,stages, got {override!r}")
+            raise ValueError(f"{env} must be BM,BN,BK,warps,stages, got {override!r}")
         return tuple(parts)  # type: ignore[return-value]
-    return 128, (64 if n <= 64 else 128), 64, 8, 4
+    if dtype == torch.float32:
+        return (64, 64, 32, 4, 3) if n <= 64 else (64, 128, 32, 4, 3)
+    return (128, 64, 64, 8, 4) if n <= 64 else (256, 128, 64, 8, 3)
 
 
 @triton.jit

@@ -46,7 +46,7 @@ from cpgraph.ops.providers import bind_providers
 
 from .config import CPConfig
 from .graph_facts import PassMatchError
-from .invariant_kernels import inductor_options, run_mode
+from .invariant_kernels import inductor_options, keep_eager_numerics, run_mode
 from .manager import CPPassManager, PassFn
 from .pipeline import default_passes
 from .recompile_limit import fail_on_recompile_limit
@@ -73,6 +73,26 @@ def aot_eager_with_passes(manager: CPPassManager):
         return _eager_runner(gm)
 
     return aot_autograd(fw_compiler=fw_compiler)
+
+
+def _inductor(options: dict):
+    """Inductor as a backend callable with ``options`` (what ``backend="inductor", options=...`` runs)."""
+
+    def run(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=options)
+
+    return run
+
+
+def _eager_numerics(backend):
+    """``backend`` run on the Dynamo graph after :func:`keep_eager_numerics` (deterministic compiles)."""
+
+    def run(gm, example_inputs):
+        return backend(keep_eager_numerics(gm), example_inputs)
+
+    return run
 
 
 def trace_settings() -> contextlib.ExitStack:
@@ -142,12 +162,18 @@ def compile(
             bind_providers("cuda")  # CUDA graphs: the providers are bound before anything is recorded
         elif mode not in (None, "default"):
             raise ValueError(f"cpgraph.compile: unsupported mode {mode!r} (use None or 'reduce-overhead')")
-        compiled = torch.compile(model, backend="inductor", options=options, dynamic=dynamic, fullgraph=fullgraph)
+        if manager.cfg.deterministic:  # norms, sigmoid, ...: ATen's kernels (invariant_kernels.keep_eager_numerics)
+            compiled = torch.compile(model, backend=_eager_numerics(_inductor(options)), dynamic=dynamic,
+                                     fullgraph=fullgraph)
+        else:
+            compiled = torch.compile(model, backend="inductor", options=options, dynamic=dynamic, fullgraph=fullgraph)
     elif backend == "aot_eager":
         if mode is not None:
             raise ValueError("cpgraph.compile: mode applies to the inductor backend only")
         manager = build_pass_manager(cp, passes)
-        compiled = torch.compile(model, backend=aot_eager_with_passes(manager), dynamic=dynamic, fullgraph=fullgraph)
+        run = aot_eager_with_passes(manager)
+        compiled = torch.compile(model, backend=_eager_numerics(run) if manager.cfg.deterministic else run,
+                                 dynamic=dynamic, fullgraph=fullgraph)
     else:
         raise ValueError(f"cpgraph.compile: backend must be 'inductor' or 'aot_eager', got {backend!r}")
     return CompiledForward(compiled, manager)

@@ -41,6 +41,7 @@ from torch._inductor import config as inductor_config
 
 import cpgraph.ops.invariant  # noqa: F401  (registers the cpgraph::invariant_* ops)
 from cpgraph.ops.invariant import REPLACES
+from cpgraph.ops.eager_numerics import NORMS, UNARY_CALLS, UNARY_METHODS
 
 from .config import CPConfig
 from .fx_utils import insert_call, op_name, op_of
@@ -100,6 +101,59 @@ def use_invariant_kernels(gm: fx.GraphModule, cfg: CPConfig) -> fx.GraphModule:
     return gm
 
 
+def keep_eager_numerics(gm: fx.GraphModule) -> fx.GraphModule:
+    """On a Dynamo graph: norms and transcendental functions become ops Inductor cannot lower.
+
+    ``rms_norm`` / ``layer_norm`` become ``cpgraph::invariant_rms_norm`` /
+    ``invariant_layer_norm``; ``sigmoid``, ``silu``, ``exp``, ``sin``, ``cos``
+    and the other functions of :data:`cpgraph.ops.eager_numerics.UNARY`
+    (called as functions or as tensor methods, with one tensor argument)
+    become ``cpgraph::eager_unary``.  It runs before AOT tracing, where
+    Inductor would decompose a norm into a reduction of its own, so every
+    graph of a deterministic compile computes these with the ATen kernels an
+    eager forward runs (``cpgraph/ops/eager_numerics.py`` says why).  Returns
+    ``gm``, changed in place.
+    """
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        new_target, args = None, None
+        if node.op == "call_function" and node.target in NORMS:
+            name, params, defaults = NORMS[node.target]
+            bound = {**defaults, **dict(zip(params, node.args))}
+            bound.update({k: v for k, v in node.kwargs.items() if k in params})
+            new_target, args = getattr(_cp, name).default, tuple(bound.get(p) for p in params)
+        elif node.op == "call_function" and _is_unary_call(node, UNARY_CALLS.get(_hashable(node.target))):
+            new_target, args = _cp.eager_unary.default, (node.args[0], UNARY_CALLS[node.target])
+        elif node.op == "call_method" and _is_unary_call(node, UNARY_METHODS.get(node.target)):
+            new_target, args = _cp.eager_unary.default, (node.args[0], UNARY_METHODS[node.target])
+        if new_target is None:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(new_target, args)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _hashable(target):
+    try:
+        hash(target)
+    except TypeError:
+        return None
+    return target
+
+
+def _is_unary_call(node: fx.Node, name) -> bool:
+    """A call of a known function on one tensor and nothing else (``F.gelu(x, approximate=..)`` stays Inductor's)."""
+    return name is not None and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node)
+
+
 def run_mode(cfg: CPConfig):
     """What a call of a forward compiled with ``cfg`` runs inside: the deterministic mode, or nothing."""
     if not cfg.deterministic:
@@ -116,14 +170,28 @@ _INDUCTOR_SETTINGS = {
     "batch_invariant": True,  # one per-row kernel config for every batch size (canonical size hints)
     "emulate_precision_casts": True,  # bf16 rounding where eager rounds; no FMA contraction
     "split_reductions": False,  # a row's reduction is never split across programs because its M is small
+    # torch >= 2.13: eager's rounding inside fused kernels (division by div_rn, no flush-to-zero, the CUDA
+    # toolkit's libdevice), so a fused chain gives the bits of ATen's kernels.
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.disable_ftz": True,
+    "eager_numerics.use_pytorch_libdevice": True,
 }
+
+
+def _has_setting(name: str) -> bool:
+    obj = inductor_config
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
 
 
 def inductor_options(cfg: CPConfig) -> dict:
     """``torch.compile`` options for Inductor: the settings above when ``cfg.deterministic``, else none."""
     if not cfg.deterministic:
         return {}
-    return {name: value for name, value in _INDUCTOR_SETTINGS.items() if hasattr(inductor_config, name)}
+    return {name: value for name, value in _INDUCTOR_SETTINGS.items() if _has_setting(name)}
 
 
-__all__ = ["REFUSED", "inductor_options", "run_mode", "use_invariant_kernels"]
+__all__ = ["REFUSED", "inductor_options", "keep_eager_numerics", "run_mode", "use_invariant_kernels"]
