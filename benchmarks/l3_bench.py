@@ -203,6 +203,9 @@ def bench_ttft(args, model, tokens: int, root: Path, mc) -> dict:
     def forward(ids, meta, mla, index, **kw):
         return model(ids, meta, mla, index, layout, **kw)
 
+    def file_spec(path) -> str:  # --threads applies to the TTFT section's store too
+        return f"file:{path}" + (f",threads={args.threads}" if args.threads else "")
+
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (tokens + 1,), generator=g).tolist()
     pages = -(-len(prompt) // page) + 2
@@ -232,9 +235,9 @@ def bench_ttft(args, model, tokens: int, root: Path, mc) -> dict:
     out = {"tokens": tokens}
     log(f"ttft {tokens}: warm-up")
     for _ in range(2):  # first-call costs of both paths (cold, then restored from L3), at a small size
-        engine(f"file:{root / 'warmup'}").prefill([prompt[: 4 * page + 1]])
+        engine(file_spec(root / "warmup")).prefill([prompt[: 4 * page + 1]])
     log(f"ttft {tokens}: cold prefill (stores the prefix)")
-    first, cold_logits = run(engine(f"file:{d}"))
+    first, cold_logits = run(engine(file_spec(d)))
     colds = [first]
     for _ in range(args.cold_reps - 1):  # more cold passes on engines without L3 (they would hit it)
         log(f"ttft {tokens}: cold prefill again")
@@ -263,9 +266,9 @@ def bench_ttft(args, model, tokens: int, root: Path, mc) -> dict:
         return best
 
     log(f"ttft {tokens}: restored, file, page cache warm")
-    out["file_warm"] = restored(f"file:{d}")
+    out["file_warm"] = restored(file_spec(d))
     log(f"ttft {tokens}: restored, file, page cache dropped")
-    out["file_cold"] = restored(f"file:{d}", before=lambda: drop_page_cache(FileStore(d)))
+    out["file_cold"] = restored(file_spec(d), before=lambda: drop_page_cache(FileStore(d)))
     if mc is not None:
         log(f"ttft {tokens}: restored, mooncake (copying the objects over)")
         spec = f"mooncake:{mc.master},metadata={mc.metadata}"
@@ -291,7 +294,7 @@ def main() -> int:
     ap.add_argument("--ttft-tokens", default="32768", help="TTFT section: cached prefix lengths ('' skips it)")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--dir", default=None, help="where the file store lives (default: a temp dir under /tmp)")
-    ap.add_argument("--threads", type=int, default=None, help="file store threads (default min(8, cores))")
+    ap.add_argument("--threads", type=int, default=None, help="file store threads (default: the store's default, 1)")
     ap.add_argument("--reps", type=int, default=3, help="restored passes (and store reads) per case")
     ap.add_argument("--cold-reps", type=int, default=None,
                     help="cold passes (default 3 on cuda, the first left out as JIT warm-up; 1 on cpu)")

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -99,7 +100,7 @@ def test_round_trip_across_part_layouts(tmp_path):
         store.get([_key(1)], [[torch.zeros(50, dtype=torch.float32)]])
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "renamed"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "renamed", "header", "format1"])
 def test_corrupt_object_is_a_logged_miss_and_deleted(tmp_path, caplog, damage):
     store = FileStore(tmp_path)
     store.put([_key(1), _key(2)], [_obj(1), _obj(2)])
@@ -110,6 +111,16 @@ def test_corrupt_object_is_a_logged_miss_and_deleted(tmp_path, caplog, damage):
         damaged = bytes(raw)
     elif damage == "truncate":
         damaged = bytes(raw[:-5])
+    elif damage == "header":  # one bit of the stored length: caught by the header's own CRC-32
+        raw[16] ^= 0x01
+        damaged = bytes(raw)
+    elif damage == "format1":  # an object written before the XXH3 header: version 1, checksum field a CRC-32
+        from cpgraph.runtime.storage import object_header as oh
+
+        raw[8:12] = (1).to_bytes(4, "little")
+        raw[12:16] = bytes(4)
+        raw[12:16] = zlib.crc32(bytes(raw[:oh.HEADER_BYTES])).to_bytes(4, "little")
+        damaged = bytes(raw)
     else:  # a valid object under another key's name
         damaged = store.path(_key(2)).read_bytes()
     path.write_bytes(damaged)
@@ -256,3 +267,18 @@ def test_large_batches_run_on_the_thread_pool_in_order(tmp_path, monkeypatch):
         if i != 4:
             assert all(torch.equal(a, b) for a, b in zip(out, _obj(i)))
     assert seen and threading.get_ident() not in seen  # the pool's threads read, not the caller
+
+
+def test_object_checksum_is_xxh3_of_the_bytes_across_parts():
+    """The header's object checksum is XXH3-64 of the parts' bytes in order, however the object is cut."""
+    import xxhash
+
+    from cpgraph.runtime.storage import object_header as oh
+
+    data = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    want = xxhash.xxh3_64(data.numpy().tobytes()).intdigest()
+    assert oh.checksum(oh.views([data])) == want
+    assert oh.checksum(oh.views([data[:7], data[7:500], data[500:]])) == want
+    assert oh.checksum(oh.views([data[:999]])) != want
+    head = oh.encode_header(bytes(range(32)), 1000, want)
+    assert len(head) == oh.HEADER_BYTES and oh.check_header(head, bytes(range(32)), 1000) == (want, None)

@@ -2,7 +2,7 @@
 
 Layout: ``DIR/cpgraph-l3-v1/<key[:2]>/<key>`` (256 fan-out directories).  A
 file is the 64-byte object header (:mod:`.object_header`: magic, version,
-CRC-32 of the bytes, length, key, CRC-32 of the header) followed by the
+CRC-32 of the header, length, XXH3-64 of the bytes, key) followed by the
 object bytes.
 
 Why each rule:
@@ -15,11 +15,11 @@ Why each rule:
   same page.  A reader that opened the older file keeps reading it.
 * **Verified on read.**  The header must carry the magic, the version, the
   key asked for and the length the caller expects; the file must be exactly
-  header + length bytes; the CRC-32 of the bytes read must match.  Anything
+  header + length bytes; the XXH3-64 of the bytes read must match.  Anything
   else -- a truncated file, flipped bits, a file copied under another name --
   is a miss: the object is deleted, the failure is logged once per reason,
   and the caller never uses the bytes (it frees the host pages they landed
-  in).  CRC-32 guards against accidental corruption, not against a writer
+  in).  The checksum guards against accidental corruption, not against a writer
   who means harm: the directory must be trusted like the model weights are
   (docs/security.md).
 * **Size bound, LRU.**  With ``max_bytes`` the store keeps the directory's
@@ -37,7 +37,7 @@ Why each rule:
 Zero-copy: ``get`` reads with ``os.preadv`` straight into the caller's host
 buffers (the L2 rows) and ``put`` writes with ``os.pwritev`` from them; the
 checksum runs over the same memory.  Batches run on a small thread pool
-(file I/O and ``zlib.crc32`` release the GIL).
+(file I/O releases the GIL; the checksum runs at ~25 GB/s per thread).
 """
 
 from __future__ import annotations
@@ -54,15 +54,20 @@ from typing import Sequence
 
 from .base import PageStore, Parts, check_parts
 from .object_header import HEADER_BYTES, check_header, encode_header, key_bytes
-from .object_header import crc as _crc
+from .object_header import checksum as _checksum
 from .object_header import views as _views
 
 SUBDIR = "cpgraph-l3-v1"
 # A batch of fewer bytes runs on the calling thread (the hand-off would cost more than it saves).
 # Larger batches are cut into one contiguous run of objects per thread: a page of a production-shaped
-# layer pair is 180 KB, and a per-object threshold kept such batches on one thread (1.2 GB/s, the speed
-# of one thread's read + crc32, measured on an H200 host).
+# layer pair is 180 KB, and a per-object threshold kept such batches on one thread.
 PARALLEL_MIN_BYTES = 1 << 20
+# Threads per batch by default: one.  Measured with 512 production-shaped page objects (92 MB, page cache
+# warm), ``FileStore.get`` took 26-27 ms on 1 thread, 39-42 ms on 4 and 106 ms on 8 on the H200 host
+# (gVisor, 16 cores), and 29 / 52 ms on 1 / 4 on the 2-core CI machine: the per-file system calls
+# serialise there, and threads add contention.  A store on a local NVMe or a parallel file system
+# with cold reads may want ``threads=N`` (docs/cache.md).
+DEFAULT_THREADS = 1
 # A read hit refreshes the file's mtime (the LRU clock) only when it is older than this: a hot page's
 # every read would otherwise be a metadata write.
 TOUCH_NS = 10 * 10**9
@@ -100,7 +105,7 @@ class FileStore(PageStore):
         self._dir = str(self.dir)
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes)
         self.retry_s = float(retry_s)
-        self._threads = max(1, min(8, os.cpu_count() or 1)) if threads is None else max(1, int(threads))
+        self._threads = DEFAULT_THREADS if threads is None else max(1, int(threads))
         self._pool: ThreadPoolExecutor | None = None
         self._available = True
         self._read_only = False
@@ -218,7 +223,7 @@ class FileStore(PageStore):
 
     def _read_verified(self, fd: int, key: str, parts: Parts, size: int) -> tuple[str | None, int]:
         """``(None, mtime_ns)`` when the object was read into ``parts`` and verified, else ``(what was wrong, 0)``."""
-        crc, problem = check_header(os.pread(fd, HEADER_BYTES, 0), self._key_bytes(key), size)
+        want, problem = check_header(os.pread(fd, HEADER_BYTES, 0), self._key_bytes(key), size)
         if problem is not None:
             return problem, 0
         length = size
@@ -229,7 +234,7 @@ class FileStore(PageStore):
         got = os.preadv(fd, views, HEADER_BYTES) if views else 0
         if got != length:
             return f"short read ({got} of {length} bytes)", 0
-        if _crc(views) != crc:
+        if _checksum(views) != want:
             return "checksum mismatch", 0
         return None, st.st_mtime_ns
 
@@ -269,7 +274,7 @@ class FileStore(PageStore):
                 pass
             return "present"
         views = _views(parts)
-        head = encode_header(self._key_bytes(key), size, _crc(views))
+        head = encode_header(self._key_bytes(key), size, _checksum(views))
         tmp = os.path.join(os.path.dirname(path), f".tmp-{key}-{os.getpid()}-{threading.get_ident()}-{next(_TMP_IDS)}")
         try:
             try:

@@ -11,10 +11,10 @@ from or into memory it registered.  So:
   batch call per run of pages.  A part outside registered memory has its
   whole tensor storage registered on first use.
 * every object is the 64-byte header of :mod:`.object_header` (key, length,
-  CRC-32 of the bytes) followed by the page's bytes, as in the file backend:
+  XXH3-64 of the bytes) followed by the page's bytes, as in the file backend:
   the header is one more byte range of the same batch call, from a small
   registered slab.  A read checks that the store returned header + object,
-  that the header names this key and length, and the CRC-32 of the bytes
+  that the header names this key and length, and the checksum of the bytes
   that landed in L2; anything else is a miss -- the object is removed from
   the store, the reason logged once, the bytes never used.  The store keeps
   bytes in memory and moves them over TCP or RDMA; the check covers a
@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from .base import PageStore, Parts, check_parts
-from .object_header import HEADER_BYTES, check_header, crc, encode_header, key_bytes, views
+from .object_header import HEADER_BYTES, check_header, checksum, encode_header, key_bytes, views
 
 log = logging.getLogger("cpgraph.storage")
 
@@ -295,8 +295,8 @@ class MooncakeStore(PageStore):
     @staticmethod
     def _verify(header: torch.Tensor, key_raw: bytes, parts: Parts, size: int) -> str | None:
         """What is wrong with an object read into ``header`` + ``parts``, or ``None``."""
-        checksum, problem = check_header(header.numpy().tobytes(), key_raw, size)
-        if problem is None and crc(views(parts)) != checksum:
+        want, problem = check_header(header.numpy().tobytes(), key_raw, size)
+        if problem is None and checksum(views(parts)) != want:
             problem = "checksum mismatch"
         return problem
 
@@ -324,7 +324,7 @@ class MooncakeStore(PageStore):
         heads = self._header_rows(len(keys))
         rows = heads.numpy()
         for i, (p, size) in enumerate(zip(parts, sizes)):
-            rows[i] = np.frombuffer(encode_header(raw_keys[i], size, crc(views(p))), dtype=np.uint8)
+            rows[i] = np.frombuffer(encode_header(raw_keys[i], size, checksum(views(p))), dtype=np.uint8)
         ptrs, lens = zip(*(self._ptrs(p, heads[i]) for i, p in enumerate(parts)))
         codes = self._call(self._store.batch_put_from_multi_buffers, keys, ptrs, lens)
         if self._transport_failed(codes):
