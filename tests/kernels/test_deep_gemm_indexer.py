@@ -43,6 +43,18 @@ def _fake_deep_gemm(calls):
     return types.SimpleNamespace(fp8_mqa_logits=fp8_mqa_logits, __version__="fake")
 
 
+@pytest.fixture(autouse=True)
+def _short_sample():
+    """Under the interpreter, a 16-key selection sample: the Triton selection's tuning never changes its
+    result, and there the sort of the default 256-key sample is most of a short row's cost (the sample
+    sizes are tested in test_indexer_kernels.py).  On a GPU the default stays."""
+    saved = ki.tuning()
+    if DEV == "cpu":
+        ki.set_tuning(SELECT_SAMPLE=16)
+    yield
+    ki.set_tuning(**saved)
+
+
 @pytest.fixture
 def fake(monkeypatch):
     calls = []

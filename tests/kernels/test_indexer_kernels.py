@@ -15,6 +15,7 @@ disagreements must be ties within fp32 rounding (checked on the scores).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -44,6 +45,28 @@ FP8_TOL = 2e-3
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+@contextlib.contextmanager
+def select_tuning(**values):
+    """Selection tuning for one block of a test, restored after (tuning never changes results).
+
+    Under the interpreter the fused-op tests below run with a 16-key sample (``SHORT_SAMPLE``;
+    on a GPU they keep the default): each row program sorts its sample (a bitonic network of
+    ~log2(S)^2 / 2 vectorised steps, 36 at the interpreter's default S = 256 and 10 at S = 16),
+    which is most of a short row's cost.  The sample sizes themselves (16, 64, 1024 i.e. the
+    interpreter's cap of 256, more or fewer than the window) are the subject of the selection
+    tests and the FP8 fused test.
+    """
+    saved = ki.tuning()
+    try:
+        ki.set_tuning(**values)
+        yield
+    finally:
+        ki.set_tuning(**saved)
+
+
+SHORT_SAMPLE = dict(SELECT_SAMPLE=16) if DEV == "cpu" else {}
 
 
 def windows(g, M, N, empty_every=4):
@@ -106,10 +129,16 @@ def _hard_rows(g, N, sample):
     return logits
 
 
-@pytest.mark.parametrize("block,sample,cols", [(32, 16, None), (64, 64, None), (32, 16, 3), (128, 32, 1)])
-def test_select_multi_block(block, sample, cols):
+@pytest.mark.parametrize("block,sample,cols,paged", [(64, 16, None, True), (128, 64, None, False), (64, 16, 1, False)])
+def test_select_multi_block(block, sample, cols, paged):
     """Windows many blocks long: the bracket pass, the 32-bin refinement and the ordered tie collection cross
-    blocks; ``cols`` shrinks the candidate scratch so refinement reads the window itself."""
+    blocks; ``cols`` shrinks the candidate scratch (to its one-column minimum) so refinement reads the
+    window itself.
+
+    Interpreter cost is per block step (each pass walks the window a block at a time), so the blocks
+    are 64 and 128 keys: 3 to 5 blocks over the 300-key windows.  PAGED differs from RAGGED only in
+    the value the collection writes (the slot of a position, whatever the bracket and refinement
+    did), so it runs on one configuration, over every row."""
     g = _gen(block + sample)
     N, topk = 300, 24
     logits = _hard_rows(g, N, sample).to(DEV)
@@ -120,6 +149,8 @@ def test_select_multi_block(block, sample, cols):
     out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
     ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, sample=sample, scratch=scratch)
     assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
+    if not paged:
+        return
     slots = torch.randperm(N, generator=g).to(DEV) + 1000
     ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, sample=sample, scratch=scratch)
     assert torch.equal(out, ix.topk_paged_reference(logits, ks, ke, topk, slots))
@@ -213,7 +244,11 @@ def test_scoring_fp8_exact_on_integers_any_layout(keys_m, group):
 # ------------------------------------------------------------------- fused
 @pytest.mark.parametrize("sample", [16, 1024])
 def test_indexer_topk_fp8_exact_any_budget(sample):
-    """The FP8 form of the fused op: equal to the unfused FP8 reference on exact, tie-heavy scores, any chunking."""
+    """The FP8 form of the fused op: equal to the unfused FP8 reference on exact, tie-heavy scores, any chunking.
+
+    Every budget runs with the 16-key sample; the large sample (1024, the interpreter's 256: more keys
+    than any window) runs once, chunked (4 rows a chunk and a last chunk of one): a row's selection
+    reads only its own scores, so which chunk it lands in cannot interact with the sample size."""
     g = _gen(31)
     M, H, D, N, topk = 9, 2, 32, 70, 7
     q = torch.randint(-2, 3, (M, H, D), generator=g).float()
@@ -227,14 +262,10 @@ def test_indexer_topk_fp8_exact_any_budget(sample):
     logits = ix.indexer_logits_fp8_reference(q_bytes, k_bytes, k_scale, w, ks, ke)
     want = ix.topk_ragged_reference(logits, ks, ke, topk)
     assert torch.equal(ix.indexer_topk_reference(q_bytes, k_bytes, w, ks, ke, topk, 4 * N * 2, k_scale), want)
-    saved = ki.tuning()
-    try:
-        ki.set_tuning(SELECT_SAMPLE=sample)
-        for budget in (1, 4 * N * 4, 1 << 30):
+    with select_tuning(SELECT_SAMPLE=sample):
+        for budget in (1, 4 * N * 4, 1 << 30) if sample == 16 else (4 * N * 4,):
             got = ki.indexer_topk(q_bytes, k_bytes, w, ks, ke, topk, budget, k_scale)
             assert torch.equal(got, want), f"budget {budget}"
-    finally:
-        ki.set_tuning(**saved)
 
 
 @pytest.mark.parametrize("H", [1, 2, 8])
@@ -243,8 +274,9 @@ def test_indexer_topk_exact_on_integer_ties_any_budget(H):
     q, k, w = integer_inputs(H, M, H, D, N)
     ks, ke = windows(_gen(H + 1), M, N, empty_every=5)
     want = ix.indexer_topk_reference(q, k, w, ks, ke, topk, 1 << 30)
-    for budget in (1, 4 * N * 5, 1 << 30):  # 1 row, 5 rows, everything per chunk
-        assert torch.equal(ki.indexer_topk(q, k, w, ks, ke, topk, budget), want), f"budget {budget}"
+    with select_tuning(**SHORT_SAMPLE):
+        for budget in (1, 4 * N * 5, 1 << 30):  # 1 row, 5 rows, everything per chunk
+            assert torch.equal(ki.indexer_topk(q, k, w, ks, ke, topk, budget), want), f"budget {budget}"
 
 
 def test_row_result_independent_of_batch_composition():
@@ -257,13 +289,14 @@ def test_row_result_independent_of_batch_composition():
     q, k, w = integer_inputs(21, M, H, D, N)
     g = _gen(22)
     ks, ke = windows(g, M, N, empty_every=6)
-    base = ki.indexer_topk(q, k, w, ks, ke, topk, 1 << 30)
-    perm = torch.randperm(M, generator=g).to(DEV)
-    shuffled = ki.indexer_topk(q[perm], k, w[perm], ks[perm], ke[perm], topk, 1 << 30)
-    assert torch.equal(shuffled, base[perm])
-    sub = perm[:3]
-    alone = ki.indexer_topk(q[sub], k, w[sub], ks[sub], ke[sub], topk, 4 * N * 2)
-    assert torch.equal(alone, base[sub])
+    with select_tuning(**SHORT_SAMPLE):
+        base = ki.indexer_topk(q, k, w, ks, ke, topk, 1 << 30)
+        perm = torch.randperm(M, generator=g).to(DEV)
+        shuffled = ki.indexer_topk(q[perm], k, w[perm], ks[perm], ke[perm], topk, 1 << 30)
+        assert torch.equal(shuffled, base[perm])
+        sub = perm[:3]
+        alone = ki.indexer_topk(q[sub], k, w[sub], ks[sub], ke[sub], topk, 4 * N * 2)
+        assert torch.equal(alone, base[sub])
 
 
 def test_providers_through_the_ops():
@@ -273,7 +306,7 @@ def test_providers_through_the_ops():
     from cpgraph.ops.providers import active_provider, register_provider, unregister_provider
 
     table = ki.providers()
-    with registry_restored(DEV):
+    with registry_restored(DEV), select_tuning(**SHORT_SAMPLE):
         _dispatch_through_the_ops(table, active_provider, register_provider, unregister_provider)
 
 
@@ -462,10 +495,10 @@ def test_tuning_overrides_are_validated(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="FP8_ACC_GROUP must be"):
             ki.set_tuning(FP8_ACC_GROUP=16)
         path = tmp_path / "tune.json"
-        path.write_text('{"KEY_TILE": 64, "SELECT_SAMPLE": 512}')
+        path.write_text('{"KEY_TILE": 64, "SELECT_SAMPLE": 32}')  # a short sample: the interpreter sorts it per row
         monkeypatch.setenv("CPGRAPH_INDEXER_TUNING", str(path))
         ki._tuning_from_env()
-        assert ki.tuning()["KEY_TILE"] == 64 and ki.tuning()["SELECT_SAMPLE"] == 512
+        assert ki.tuning()["KEY_TILE"] == 64 and ki.tuning()["SELECT_SAMPLE"] == 32
         # Results do not depend on the tuning.
         q, k, w = integer_inputs(9, 5, 2, 16, 40)
         ks, ke = windows(_gen(10), 5, 40)
