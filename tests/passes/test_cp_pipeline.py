@@ -54,32 +54,77 @@ def two_layer_model():
     return model
 
 
-def run_compiled(model, cfg: CPConfig, rank: int = 0, prompts=PROMPTS, prefix=PREFIX):
-    """Compile with the default pipeline + a capture pass; run one batch (prefix + extend pass)."""
+def _compile_captured(model, cfg: CPConfig, dynamic=None):
+    """``(forward, graphs)``: ``model`` compiled with the default pipeline + a pass capturing each graph."""
     graphs = []
 
     def capture(gm, c):
         graphs.append(copy.deepcopy(gm.graph))
         return gm
 
-    compiled = compile(model, cfg, backend="aot_eager", passes=default_passes() + [("capture", capture)])
+    compiled = compile(model, cfg, backend="aot_eager", dynamic=dynamic, passes=default_passes() + [("capture", capture)])
+    return compiled, graphs
+
+
+def run_compiled(model, cfg: CPConfig, rank: int = 0, prompts=PROMPTS, prefix=PREFIX, *, dynamic=None,
+                 extend_pass_only=False):
+    """Compile with the default pipeline + a capture pass; run one batch (prefix + extend pass).
+
+    ``extend_pass_only``: the prefix pass is not run (its forward returns ``None``, which
+    ``run_prefill`` does not read), so only the extend pass compiles: for graph tests against a fake
+    group, whose collectives move no data anyway.
+    """
+    compiled, graphs = _compile_captured(model, cfg, dynamic)
+    skip = [extend_pass_only and any(prefix)]
 
     def forward(ids, meta, mla, index, **kw):
+        if skip[0]:
+            skip[0] = False
+            return None
         return compiled(ids, meta, mla, index, **kw)
 
     res = run_prefill(forward, model, prompts, prefix_lens=prefix, page_size=PAGE, rank=rank, cp_size=cfg.cp_size)
     return res, graphs, compiled.cpgraph_passes
 
 
+# The recompile test's batches, (prompt lengths, cached prefix lengths), after PROMPTS: warm-up (prefix and
+# no-prefix passes, one and several requests), then other lengths and compositions that must reuse those graphs.
+WARM_UP = [([40, 9], [16, 0]), ([23], [0]), ([70, 5, 33], [32, 0, 16])]
+NO_RECOMPILE = [([50, 19], [32, 0]), ([12, 90, 7, 64], [0, 64, 0, 48]), ([131, 3], [112, 0])]
+
+
+def _batch(forward, model, lens, prefix, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
+    return run_prefill(forward, model, prompts, prefix_lens=prefix, page_size=PAGE).logits
+
+
 @functools.lru_cache(maxsize=None)
 def _single_device_run():
-    """The two-layer model compiled for one device and run once, shared by the tests that inspect that run.
+    """The two-layer model compiled for one device (``dynamic=True``) once, for three tests.
 
-    Returns ``(model, result, graphs, history)``; tests copy ``history`` before trimming it.
+    It runs PROMPTS (the last graph and the pass history the snapshot test inspects, the logits
+    compared with eager), then the recompile test's batches: ``WARM_UP``, and ``NO_RECOMPILE`` under
+    ``fail_on_recompile``, whose error (if any) that test raises.  Tests copy ``history`` before trimming it.
     """
-    model = two_layer_model()
-    res, graphs, manager = run_compiled(model, CPConfig())
-    return model, res, graphs, list(manager.history)
+    model = two_layer_model()  # both layer kinds (dense + indexer, MoE + IndexCache): every dynamic size
+    compiled, graphs = _compile_captured(model, CPConfig(), dynamic=True)
+
+    def forward(ids, meta, mla, index, **kw):
+        return compiled(ids, meta, mla, index, **kw)
+
+    res = run_prefill(forward, model, PROMPTS, prefix_lens=PREFIX, page_size=PAGE)
+    run = SimpleNamespace(model=model, res=res, graph=graphs[-1], history=list(compiled.cpgraph_passes.history),
+                          outputs=[], recompile_error=None)
+    for k, (lens, prefix) in enumerate(WARM_UP):
+        _batch(forward, model, lens, prefix, k)
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for k, (lens, prefix) in enumerate(NO_RECOMPILE):
+                run.outputs.append(_batch(forward, model, lens, prefix, 10 + k))
+    except Exception as exc:  # raised by test_no_recompiles_across_lengths_and_batch_compositions
+        run.recompile_error = exc
+    return run
 
 
 def pass_delta(manager, name):
@@ -94,7 +139,7 @@ class TestCPPipeline(expecttest.TestCase):
     def test_cp2_graph_snapshot_and_counts(self):
         model = two_layer_model()
         with fake_group(world_size=2, rank=0) as gn:
-            _, graphs, manager = run_compiled(model, CPConfig(group=gn, cp_size=2))
+            _, graphs, manager = run_compiled(model, CPConfig(group=gn, cp_size=2), dynamic=True, extend_pass_only=True)
         final = graphs[-1]  # the extend pass (with a cached prefix)
         keep = ("cpgraph.", "_c10d_functional.")
         self.assertExpectedInline(
@@ -104,28 +149,28 @@ v0 = cpgraph.mla_query(_, _, _, _)
 v1 = cpgraph.kv_layer_ready(layer=0)
 v2 = cpgraph.mla_dense_pack(_, _)
 v3 = cpgraph.paged_store(rows=v2, slots=_)
-v4 = cpgraph.paged_gather(_, in17)
+v4 = cpgraph.paged_gather(_, in19)
 v5 = cpgraph.paged_store(rows=_, slots=_)
-v6 = cpgraph.paged_gather(_, in17)
+v6 = cpgraph.paged_gather(_, in19)
 v7 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
 v8 = _c10d_functional.wait_tensor(v7)
-v9 = cpgraph.take_rows(_, in19)
-v10 = cpgraph.take_rows(_, in19)
-v11 = cpgraph.indexer_topk(_, _, _, in27, in28, 16, 536870912)
+v9 = cpgraph.take_rows(_, in21)
+v10 = cpgraph.take_rows(_, in21)
+v11 = cpgraph.indexer_topk(_, _, _, in31, in32, 16, 536870912)
 v12 = cpgraph.kv_layer_written(layer=0)
 v13 = cpgraph.sparse_mla(v0, _, v11, 0.176777, 32)
 v14 = cpgraph.mla_query(_, _, _, _)
 v15 = cpgraph.kv_layer_ready(layer=1)
 v16 = cpgraph.mla_dense_pack(_, _)
 v17 = cpgraph.paged_store(rows=v16, slots=_)
-v18 = cpgraph.paged_gather(_, in17)
+v18 = cpgraph.paged_gather(_, in19)
 v19 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
 v20 = _c10d_functional.wait_tensor(v19)
-v21 = cpgraph.take_rows(_, in19)
+v21 = cpgraph.take_rows(_, in21)
 v22 = cpgraph.kv_layer_written(layer=1)
 v23 = cpgraph.sparse_mla(v14, _, v11, 0.176777, 32)
 v24 = cpgraph.compact_valid_static(_, _)
-v25 = cpgraph.moe_experts(_, _, _, in46, in47, _)
+v25 = cpgraph.moe_experts(_, _, _, in52, in53, _)
 v26 = cpgraph.restore_compute_static(_, _)
 v27 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
 v28 = _c10d_functional.wait_tensor(v27)""",
@@ -157,22 +202,22 @@ v28 = _c10d_functional.wait_tensor(v27)""",
         self.assertGreater(n, 0)
 
     def test_single_device_pipeline_only_guards_and_compacts(self):
-        _, _, graphs, history = _single_device_run()
-        manager = SimpleNamespace(history=history[-len(default_passes()) - 1 :])
+        run = _single_device_run()
+        manager = SimpleNamespace(history=run.history[-len(default_passes()) - 1 :])
         self.assertEqual(pass_delta(manager, "gather_output_rows"), {})
         self.assertEqual(pass_delta(manager, "materialize_kv_by_owner"), {"aten.gt": 1, "aten.where": 1})
         self.assertEqual(pass_delta(manager, "compact_moe_rows")["cpgraph.compact_valid_static"], 1)
         self.assertExpectedInline(
-            normalized_graph(graphs[-1], keep=("cpgraph.",)),
+            normalized_graph(run.graph, keep=("cpgraph.",)),
             """\
 v0 = cpgraph.mla_query(_, _, _, _)
 v1 = cpgraph.kv_layer_ready(layer=0)
 v2 = cpgraph.mla_dense_pack(_, _)
 v3 = cpgraph.paged_store(rows=v2, slots=_)
 v4 = cpgraph.paged_store(rows=_, slots=_)
-v5 = cpgraph.paged_gather(_, in17)
-v6 = cpgraph.kv_compose([v5], [cat_1], in19)
-v7 = cpgraph.indexer_topk(_, _, _, in27, in28, 16, 536870912)
+v5 = cpgraph.paged_gather(_, in19)
+v6 = cpgraph.kv_compose([v5], [cat_1], in21)
+v7 = cpgraph.indexer_topk(_, _, _, in31, in32, 16, 536870912)
 v8 = cpgraph.kv_layer_written(layer=0)
 v9 = cpgraph.sparse_mla(v0, _, _, 0.176777, 32)
 v10 = cpgraph.mla_query(_, _, _, _)
@@ -182,16 +227,16 @@ v13 = cpgraph.paged_store(rows=v12, slots=_)
 v14 = cpgraph.kv_layer_written(layer=1)
 v15 = cpgraph.sparse_mla(v10, _, _, 0.176777, 32)
 v16 = cpgraph.compact_valid_static(_, _)
-v17 = cpgraph.moe_experts(_, _, _, in46, in47, _)
+v17 = cpgraph.moe_experts(_, _, _, in52, in53, _)
 v18 = cpgraph.restore_compute_static(_, _)
-v19 = cpgraph.take_rows(_, in52)""",
+v19 = cpgraph.take_rows(_, in58)""",
         )
 
 
 def test_compiled_single_device_equals_eager():
-    model, res, _, _ = _single_device_run()
-    ref = run_prefill(lambda *a, **k: model(*a, **k), model, PROMPTS, prefix_lens=PREFIX, page_size=PAGE)
-    assert torch.equal(res.logits, ref.logits)
+    run = _single_device_run()
+    ref = run_prefill(lambda *a, **k: run.model(*a, **k), run.model, PROMPTS, prefix_lens=PREFIX, page_size=PAGE)
+    assert torch.equal(run.res.logits, ref.logits)
 
 
 def test_index_cache_pass_removes_shared_indexers():
@@ -232,27 +277,9 @@ def test_moe_pass_fails_when_regions_unexpected():
 
 
 def test_no_recompiles_across_lengths_and_batch_compositions():
-    model = two_layer_model()  # both layer kinds (dense + indexer, MoE + IndexCache): every dynamic size
-    compiled = compile(model, CPConfig(), backend="aot_eager", dynamic=True)
-
-    def forward(ids, meta, mla, index, **kw):
-        return compiled(ids, meta, mla, index, **kw)
-
-    def batch(lens, prefix, seed):
-        g = torch.Generator().manual_seed(seed)
-        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
-        return run_prefill(forward, model, prompts, prefix_lens=prefix, page_size=PAGE).logits
-
-    # The model's floats are constants: compiled as dynamic SymFloats, Dynamo traces every graph twice
-    # (a restart), which doubles this test's time and changes no shape guard.
-    with torch._dynamo.config.patch(specialize_float=True):
-        # Warm-up: prefix and no-prefix passes, one and several requests.
-        batch([40, 9], [16, 0], 0)
-        batch([23], [0], 1)
-        batch([70, 5, 33], [32, 0, 16], 2)
-        with torch.compiler.set_stance("fail_on_recompile"):
-            for k, (lens, prefix) in enumerate(
-                [([50, 19], [32, 0]), ([12, 90, 7, 64], [0, 64, 0, 48]), ([131, 3], [112, 0])]
-            ):
-                out = batch(lens, prefix, 10 + k)
-                assert out.shape == (len(lens), 512)
+    """After warm-up (prefix and no-prefix passes, one and several requests), other lengths and batch
+    compositions reuse the graphs: ``fail_on_recompile`` raises otherwise (the shared run, ``_single_device_run``)."""
+    run = _single_device_run()
+    if run.recompile_error is not None:
+        raise run.recompile_error
+    assert [out.shape for out in run.outputs] == [(len(lens), 512) for lens, _ in NO_RECOMPILE]
