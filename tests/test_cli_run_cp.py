@@ -32,7 +32,7 @@ def ranks_from_the_fork_server(monkeypatch, module) -> None:
 
     A spawned rank is a fresh interpreter that imports torch and the compiler before it does anything (about
     5 CPU seconds each); a rank forked from the server starts with them imported.  It runs the same code on the
-    same pickled arguments.  test_checkpoint_error_in_the_ranks_is_one_line keeps the spawn start.
+    same pickled arguments (the rank's function and its spec travel by pickle under either start method).
     """
     ctx = _fork_server_context()
     monkeypatch.setattr(module, "mp", SimpleNamespace(get_context=lambda method: ctx))
@@ -94,8 +94,9 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_checkpoint_error_in_the_ranks_is_one_line(tmp_path, capsys):
+def test_checkpoint_error_in_the_ranks_is_one_line(tmp_path, capsys, monkeypatch):
     """The parent reads only config.json; a weight mismatch found by the ranks still ends as one line, exit 2."""
+    ranks_from_the_fork_server(monkeypatch, cp_run)
     from safetensors.torch import save_file
 
     from cpgraph.models.config import bundled_config_dict
