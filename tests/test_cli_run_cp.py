@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import queue
 import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +22,20 @@ from cpgraph.models import DSAConfig, build_model, from_pretrained, init_random,
 from cpgraph.models.config import bundled_config_dict
 from cpgraph.runtime import cp_run
 from cpgraph.runtime.inputs import InputError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dist_utils import _context as _fork_server_context  # noqa: E402
+
+
+def ranks_from_the_fork_server(monkeypatch, module) -> None:
+    """``module``'s ``mp.get_context("spawn")`` (cp_run, pd) becomes the suite's fork server (tests/dist_utils.py).
+
+    A spawned rank is a fresh interpreter that imports torch and the compiler before it does anything (about
+    5 CPU seconds each); a rank forked from the server starts with them imported.  It runs the same code on the
+    same pickled arguments (the rank's function and its spec travel by pickle under either start method).
+    """
+    ctx = _fork_server_context()
+    monkeypatch.setattr(module, "mp", SimpleNamespace(get_context=lambda method: ctx))
 
 
 def _two_layer_checkpoint(root) -> str:
@@ -35,7 +52,8 @@ def _two_layer_checkpoint(root) -> str:
 
 
 @pytest.mark.slow
-def test_run_cp2_json_matches_single_device(tmp_path, capsys):
+def test_run_cp2_json_matches_single_device(tmp_path, capsys, monkeypatch):
+    ranks_from_the_fork_server(monkeypatch, cp_run)
     out = tmp_path / "cp.json"
     ckpt = _two_layer_checkpoint(tmp_path / "ckpt")
     rc = main(["run", "--model", ckpt, "--prefix-lens", "64,0,0,16", "--cp", "2", "--backend", "aot_eager",
@@ -76,8 +94,9 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_checkpoint_error_in_the_ranks_is_one_line(tmp_path, capsys):
+def test_checkpoint_error_in_the_ranks_is_one_line(tmp_path, capsys, monkeypatch):
     """The parent reads only config.json; a weight mismatch found by the ranks still ends as one line, exit 2."""
+    ranks_from_the_fork_server(monkeypatch, cp_run)
     from safetensors.torch import save_file
 
     from cpgraph.models.config import bundled_config_dict

@@ -14,10 +14,11 @@ import errno
 import json
 import logging
 import os
+import queue
 import shutil
 import socket
-import subprocess
 import sys
+import traceback
 
 import numpy as np
 import pytest
@@ -33,6 +34,45 @@ sys.path.insert(0, os.path.dirname(__file__))
 from l3_rig import ATOL, PS, FailingGets, build_tiny, counting, prefix_bytes, same_bytes  # noqa: E402
 from l3_rig import prompts as tiny_prompts  # noqa: E402
 from l3_rig import engine as _engine  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from dist_utils import _context as _fork_server_context  # noqa: E402
+
+
+def _cli_child(argv: list[str], results) -> None:
+    import contextlib
+    import io
+
+    from cpgraph.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(argv)
+        results.put((rc, out.getvalue(), err.getvalue()))
+    except BaseException:  # noqa: BLE001  (report, never hang the test)
+        results.put((-1, out.getvalue(), err.getvalue() + traceback.format_exc()))
+
+
+def cli_in_a_fresh_process(argv: list[str], timeout: float = 300.0) -> tuple[int, str, str]:
+    """``cpgraph ARGV`` in a new process: ``(exit code, stdout, stderr)``.
+
+    The process forks from the suite's fork server (tests/dist_utils.py), so it starts with torch and the model
+    code imported (a new interpreter spends seconds importing them) and with none of this process's state: its
+    own store client, engine and caches.
+    """
+    ctx = _fork_server_context()
+    results = ctx.Queue()
+    proc = ctx.Process(target=_cli_child, args=(argv, results), daemon=True)
+    proc.start()
+    try:
+        return results.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"cpgraph {' '.join(argv)}: no result within {timeout:.0f} s") from None
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -314,12 +354,11 @@ def test_cli_second_process_serves_the_first_ones_prefix(tmp_path, capsys):
     assert main(["run", "--model", "tiny-glm5", "--cache", "--l3", spec, "--json", str(one), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "pass 1: L1 (device) hit 0 token(s), L2 (host) hit 0 token(s), L3 (store) hit 0 token(s)" in out
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "cpgraph", "run", "--model", "tiny-glm5", "--cache", "--l3", spec,
-                           "--json", str(two), "--quiet"], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    rc, stdout, stderr = cli_in_a_fresh_process(["run", "--model", "tiny-glm5", "--cache", "--l3", spec,
+                                                 "--json", str(two), "--quiet"])
+    assert rc == 0, stderr
     assert "pass 1: L1 (device) hit 0 token(s), L2 (host) hit 0 token(s), L3 (store) hit 256 token(s), " \
-           "computed 27 token(s)" in proc.stdout
+           "computed 27 token(s)" in stdout
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert b["hits"][0] == {"device": 0, "host": 0, "l3": 256, "computed": 27}
     assert b["l3"]["fetched_pages"] == 16 and a["l3"]["stored_pages"] == 17  # every whole page; an exact hit

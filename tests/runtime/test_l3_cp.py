@@ -11,12 +11,18 @@ tolerance (the warm run computes fewer rows: other GEMM shapes).
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from cpgraph.cli import main
+from cpgraph.runtime import cp_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_cli_run_cp import ranks_from_the_fork_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +41,8 @@ def _one_layer_checkpoint(root) -> str:
     return str(root)
 
 
-def test_cp2_second_run_restores_owned_pages_from_l3(tmp_path, capsys):
+def test_cp2_second_run_restores_owned_pages_from_l3(tmp_path, capsys, monkeypatch):
+    ranks_from_the_fork_server(monkeypatch, cp_run)  # each run's ranks: new processes, forked from the server
     ckpt = _one_layer_checkpoint(tmp_path / "ckpt")
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 512, (48,), generator=g).tolist()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 
@@ -32,6 +31,7 @@ from cpgraph.runtime.storage.object_header import HEADER_BYTES
 
 sys.path.insert(0, os.path.dirname(__file__))
 from l3_rig import ATOL, build_tiny, engine, prefix_bytes, same_bytes  # noqa: E402
+from test_l3 import cli_in_a_fresh_process  # noqa: E402
 
 _MISSING = mooncake_local.missing()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
@@ -165,13 +165,12 @@ def test_second_process_serves_the_first_ones_prefix(mooncake, tmp_path, capsys)
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     assert main(["run", "--model", "tiny-glm5", "--cache", "--l3", spec, "--json", str(one), "--quiet"]) == 0
     capsys.readouterr()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "cpgraph", "run", "--model", "tiny-glm5", "--cache", "--l3", spec,
-                           "--json", str(two), "--quiet"], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    rc, stdout, stderr = cli_in_a_fresh_process(["run", "--model", "tiny-glm5", "--cache", "--l3", spec,
+                                                 "--json", str(two), "--quiet"])
+    assert rc == 0, stderr
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert a["hits"][0]["l3"] == 0 and a["l3"]["stored_pages"] == 17
-    assert "L3 (store) hit 256 token(s), computed 27 token(s)" in proc.stdout
+    assert "L3 (store) hit 256 token(s), computed 27 token(s)" in stdout
     assert b["hits"][0] == {"device": 0, "host": 0, "l3": 256, "computed": 27}
     assert b["l3"]["fetched_pages"] == 16 and b["l3"]["store_stats"]["get_failures"] == 0
     np.testing.assert_allclose(b["logits"], a["logits"], rtol=0, atol=ATOL)

@@ -1,8 +1,14 @@
-"""``cpgraph launch`` under torchrun: environment and layout checks, DP x CP groups, two "nodes" on loopback.
+"""``cpgraph launch`` under torchrun: environment and layout checks, DP x CP groups across "nodes" on loopback.
 
 The slow tests start real ``torchrun`` jobs (gloo on the CPU, ``aot_eager``)
 and compare every prompt's logits with a single-device run of the same batch
 the group computed.  Everything binds to 127.0.0.1 and runs under a timeout.
+Starting ranks and compiling is what they cost, so one job of four "nodes"
+(one rank each: two CP groups of two, each across two nodes) serves both the
+data-parallel and the multi-node test.  The failing-input test needs no
+compile: its two ranks get the environment torchrun gives the ranks of a
+node and fork from the suite's fork server (``run_ranks``), which spares
+each the seconds of importing torch and the compiler.
 Their model is a local checkpoint of tiny-glm5 cut to two layers (a dense
 layer with its indexer, a MoE layer sharing its top-k): every rank compiles
 it, and compile time grows with the layers; the bundled-name path is what
@@ -11,13 +17,18 @@ the CLI error tests use.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +38,9 @@ from cpgraph.models import DSAConfig, build_model, from_pretrained, init_random,
 from cpgraph.models.config import bundled_config_dict
 from cpgraph.runtime import launch
 from cpgraph.runtime.inputs import InputError, builtin_prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_utils import _context as _fork_server_context, rank_threads  # noqa: E402
 
 ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 JOB_TIMEOUT = 600  # seconds a whole torchrun job may take on a loaded 2-core machine
@@ -197,6 +211,55 @@ def _run_jobs(cmds: list[list[str]], cwd) -> list[subprocess.CompletedProcess]:
     return out
 
 
+def _rank_main(target, rank: int, world: int, port: int, args: tuple, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(rank_threads())  # torchrun's OMP_NUM_THREADS=1 (the fork server read its environment)
+    try:
+        results.put((rank, True, target(*args)))
+    except BaseException:  # noqa: BLE001  (report, never hang the test)
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(target, world: int, *args, timeout: float = JOB_TIMEOUT) -> list:
+    """``target(*args)`` in ``world`` processes with the environment torchrun gives the ranks of one node.
+
+    The processes fork from the suite's fork server (tests/dist_utils.py): torch and the compiler come imported,
+    where a rank torchrun starts imports them first (seconds each).  Returns each rank's value in rank order;
+    a rank that raises or does not answer within ``timeout`` fails the test (the others are killed).
+    """
+    ctx = _fork_server_context()
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(target, r, world, port, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < world:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not answer") from None
+            assert ok, f"rank {rank}:\n{value}"
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(world)]
+
+
+def cli(argv: list[str]) -> tuple[int, str, str]:
+    """``cpgraph ARGV`` in this process: ``(exit code, stdout, stderr)``."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     """tiny-glm5 with two layers (dense + indexer, MoE + shared top-k) as a local checkpoint directory."""
@@ -220,19 +283,32 @@ def _launch_args(checkpoint: str, *extra: str) -> list[str]:
             "--timeout", "300", *extra]
 
 
+PROMPTS = builtin_prompts(512)[:3] + [list(range(5, 60))]
+
+
+@pytest.fixture(scope="module")
+def four_nodes(tmp_path_factory, checkpoint):
+    """One job, two tests: four torchrun invocations (``--nnodes 4``, one rank each) meet at a c10d rendezvous on
+    127.0.0.1 and run ``--cp 2``: two data-parallel CP groups, each of them spanning two "nodes"."""
+    root = tmp_path_factory.mktemp("four_nodes")
+    (root / "p.json").write_text(json.dumps(PROMPTS))
+    out = root / "out.json"
+    port = _free_port()
+    cmds = [_torchrun(port, "--nnodes", "4", "--node-rank", str(n), "--nproc-per-node", "1",
+                      "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}")
+            + _launch_args(checkpoint, "--cp", "2", "--prompts-file", "p.json", "--json", str(out)) for n in range(4)]
+    results = _run_jobs(cmds, root)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(out.read_text()), results
+
+
 @pytest.mark.slow
-def test_torchrun_two_cp_groups_run_their_own_batches(tmp_path, checkpoint):
-    """4 ranks on one node, --cp 2: two data-parallel CP groups, each equal to one device on its own batch."""
-    prompts = builtin_prompts(512)[:3] + [list(range(5, 60))]
-    (tmp_path / "p.json").write_text(json.dumps(prompts))
-    out = tmp_path / "out.json"
-    cmd = _torchrun(_free_port(), "--nproc-per-node", "4") + _launch_args(
-        checkpoint, "--cp", "2", "--prompts-file", "p.json", "--json", str(out))
-    (res,) = _run_jobs([cmd], tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
-    data = json.loads(out.read_text())
+def test_torchrun_two_cp_groups_run_their_own_batches(four_nodes, checkpoint):
+    """4 ranks, --cp 2: two data-parallel CP groups, each equal to one device on its own batch."""
+    data, results = four_nodes
     assert (data["world_size"], data["dp"], data["cp"], data["ep"]) == (4, 2, 2, 1)
-    assert data["tokens"] == prompts
+    assert data["tokens"] == PROMPTS
     groups = data["groups"]
     assert [g["ranks"] for g in groups] == [[0, 1], [2, 3]]
     assert [g["prompt_indices"] for g in groups] == [[0, 2], [1, 3]]  # round-robin: different batches
@@ -240,42 +316,39 @@ def test_torchrun_two_cp_groups_run_their_own_batches(tmp_path, checkpoint):
     logits = torch.tensor(data["logits"])
     for g in groups:
         idx = g["prompt_indices"]
-        ref = _reference(checkpoint, [prompts[i] for i in idx])
+        ref = _reference(checkpoint, [PROMPTS[i] for i in idx])
         torch.testing.assert_close(logits[idx], ref, rtol=0, atol=1e-5)
         assert sum(g["kv_bytes_per_rank"]) == g["replicated_bytes"]  # owner-sharded: each page stored once
-    assert "world 4 = 2 data-parallel group(s) x CP 2 (EP 1) on cpu (aot_eager)" in res.stdout
-    assert res.stdout.count("prompt ") == 4  # only global rank 0 prints results
+    stdout = "".join(r.stdout for r in results)
+    assert "world 4 = 2 data-parallel group(s) x CP 2 (EP 1) on cpu (aot_eager)" in stdout
+    assert stdout.count("prompt ") == 4  # only global rank 0 prints results
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_form_one_cp_group(tmp_path, checkpoint):
-    """Two torchrun invocations (--nnodes 2, one rank each) meet at a c10d rendezvous on 127.0.0.1."""
-    port = _free_port()
-    out = tmp_path / "out.json"
-    cmds = [_torchrun(port, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
-                      "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}")
-            + _launch_args(checkpoint, "--cp", "2", "--json", str(out)) for n in (0, 1)]
-    results = _run_jobs(cmds, tmp_path)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-4000:]
-    data = json.loads(out.read_text())
-    assert (data["world_size"], data["dp"], data["cp"]) == (2, 1, 2)
-    assert data["groups"][0]["ranks_agree"]
-    torch.testing.assert_close(torch.tensor(data["logits"]), _reference(checkpoint, data["tokens"]), rtol=0, atol=1e-5)
-    printed = [r for r in results if "world 2 = 1 data-parallel group(s)" in r.stdout]
+def test_nodes_on_loopback_form_cp_groups_across_nodes(four_nodes):
+    """One rank per torchrun invocation: each CP group's two ranks come from two invocations ("nodes"), which
+    met at one rendezvous; the groups agree and equal one device (above); exactly one process prints."""
+    data, results = four_nodes
+    assert len(results) == data["world_size"] == 4  # one rank per node: every group of 2 spans 2 nodes
+    assert all(g["ranks_agree"] and len(g["ranks"]) == 2 for g in data["groups"])
+    printed = [r for r in results if "world 4 = 2 data-parallel group(s)" in r.stdout]
     assert len(printed) == 1  # exactly one process (global rank 0) prints the results
+    assert all("prompt " not in r.stdout for r in results if r is not printed[0])
 
 
 @pytest.mark.slow
 def test_bad_input_on_one_group_stops_every_rank_with_one_line(tmp_path, checkpoint):
-    """Group 1's prompts file is broken: no rank waits for it in a collective; each node prints one line."""
+    """Group 1's prompts file is broken: no rank waits for it in a collective; each node prints one line.
+
+    The two ranks of one node, with torchrun's environment (``run_ranks``): each must return by itself.
+    """
     (tmp_path / "b0.json").write_text(json.dumps([[1, 2, 3]]))
     (tmp_path / "b1.json").write_text(json.dumps([[1, 999999]]))
-    cmd = _torchrun(_free_port(), "--nproc-per-node", "2") + _launch_args(
-        checkpoint, "--cp", "1", "--prompts-file", "b{group}.json")
-    (res,) = _run_jobs([cmd], tmp_path)
-    assert res.returncode != 0
-    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("cpgraph launch: error:")]
+    argv = _launch_args(checkpoint, "--cp", "1", "--prompts-file", str(tmp_path / "b{group}.json"))[2:]
+    ranks = run_ranks(cli, 2, argv)
+    assert [rc for rc, _, _ in ranks] == [2, 2]
+    stderr = "".join(err for _, _, err in ranks)
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("cpgraph launch: error:")]
     assert lines == ["cpgraph launch: error: rank 1: prompt 0, position 1: token 999999 is not an id in [0, 512) "
-                     "(the model's vocabulary)"], res.stderr[-4000:]
-    assert "cpgraph/runtime" not in res.stderr  # no traceback from a rank
+                     "(the model's vocabulary)"], stderr[-4000:]
+    assert "cpgraph/runtime" not in stderr  # no traceback from a rank

@@ -1,8 +1,11 @@
 """``cpgraph launch`` weights: FP8 checkpoints kept in e4m3 (``LaunchSpec.weights``) and each rank's weight bytes.
 
 Cheap checks run in this process (the refusals, a rank's model as the spec
-asks, the gathered report); one slow test starts a real ``torchrun`` job
-(2 gloo ranks, ``aot_eager``) on a tiny FP8 checkpoint.
+asks, the gathered report); one slow test runs a CP group of 2 gloo ranks
+(``aot_eager``) on a tiny FP8 checkpoint.  Its ranks get the environment
+torchrun gives the ranks of a node and fork from the suite's fork server
+(``test_launch.run_ranks``: torch and the compiler come imported); the
+torchrun jobs themselves are ``test_launch.py``'s.
 """
 
 from __future__ import annotations
@@ -78,29 +81,24 @@ def test_group_report_carries_weight_bytes_in_group_rank_order():
     assert res.weights == "fp8"
 
 
-RANK_SCRIPT = """
-import json, sys
-from cpgraph.runtime.launch import LaunchSpec, run_launch
-spec = LaunchSpec(model=sys.argv[1], cp=2, device="cpu", backend="aot_eager", weights=sys.argv[2], timeout=300)
-res = run_launch(spec)
-if res is not None:
-    json.dump(dict(weights=res.weights, weight_bytes=res.groups[0].weight_bytes_per_rank,
-                   kv_bytes=res.groups[0].kv_bytes_per_rank, agree=res.groups[0].ranks_agree,
-                   tokens=res.tokens, logits=res.logits.tolist()), open(sys.argv[3], "w"))
-"""
+def fp8_group(model: str) -> dict | None:
+    """This rank's part of a --cp 2 launch that keeps the FP8 weights; global rank 0 returns the result."""
+    spec = launch.LaunchSpec(model=model, cp=2, device="cpu", backend="aot_eager", weights="fp8", timeout=300)
+    res = launch.run_launch(spec)  # the rank and rendezvous from the environment, as under torchrun
+    if res is None:
+        return None
+    return dict(weights=res.weights, weight_bytes=res.groups[0].weight_bytes_per_rank,
+                kv_bytes=res.groups[0].kv_bytes_per_rank, agree=res.groups[0].ranks_agree, tokens=res.tokens,
+                logits=res.logits.tolist())
 
 
 @pytest.mark.slow
-def test_torchrun_cp_group_on_fp8_weights(tmp_path, fp8_checkpoint):
+def test_launch_cp_group_on_fp8_weights(fp8_checkpoint):
     """2 ranks (--cp 2) keep the FP8 projections; logits equal one device's FP8 model, weight bytes per rank reported."""
-    from test_launch import _free_port, _run_jobs, _torchrun
+    from test_launch import run_ranks
 
-    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
-    out = tmp_path / "out.json"
-    cmd = _torchrun(_free_port(), "--nproc-per-node", "2") + ["rank.py", str(fp8_checkpoint), "fp8", str(out)]
-    (res,) = _run_jobs([cmd], tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
-    data = json.loads(out.read_text())
+    data, other = run_ranks(fp8_group, 2, str(fp8_checkpoint))
+    assert other is None  # only global rank 0 returns the result
     model = from_pretrained(str(fp8_checkpoint), weights="fp8")
     assert data["weights"] == "fp8" and data["agree"]
     assert data["weight_bytes"] == [weight_bytes_per_rank(model)] * 2  # CP without EP: every rank holds it all

@@ -11,15 +11,18 @@ pytest.importorskip("mooncake.engine")
 from cpgraph.cli import main  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_cli_run_cp import _two_layer_checkpoint  # noqa: E402
+from test_cli_run_cp import _two_layer_checkpoint, ranks_from_the_fork_server  # noqa: E402
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--cp", "1", "--chunk-tokens", "32"], ["--cp", "2", "--prefix-lens", "32,0,0,64"]])
-def test_pd(tmp_path, capsys, argv):
+def test_pd(tmp_path, capsys, monkeypatch, argv):
     # --timeout is per stage; the prefill ranks' compile is one, and takes minutes on a loaded 2-core machine.
     # The CP case runs a local two-layer tiny-glm5 checkpoint (dense + indexer, MoE + shared top-k): every
     # layer kind, half the compile; the decode side's transformers reference reads its config.json.
+    from cpgraph.transfer import pd
+
+    ranks_from_the_fork_server(monkeypatch, pd)  # the prefill ranks and the decode process
     out = tmp_path / "pd.json"
     model = ["--model", _two_layer_checkpoint(tmp_path / "ckpt")] if "--cp" in argv and argv[argv.index("--cp") + 1] != "1" else []
     assert main(["pd", *argv, *model, "--quiet", "--json", str(out), "--timeout", "300"]) == 0

@@ -1,10 +1,10 @@
 """Mooncake loopback transfer: byte identity, decode step, faults (dead peer, kill, abort, fingerprint)."""
 
 import os
-import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +25,9 @@ from cpgraph.transfer import (DecodeSide, PrefillPeer, RoomStatus, TransferRefus
                               decode_meta, decode_step, make_pool, prefill_and_send)
 from cpgraph.transfer.driver import plan_passes  # noqa: E402
 from cpgraph.transfer.sender import AUX_BYTES, RoomTarget  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_utils import _context as _fork_server_context  # noqa: E402
 
 PS = 16
 
@@ -221,17 +224,15 @@ def test_abort_acked_room_failed_no_later_chunk(model):
         peer.close(), dec.close()
 
 
-_DECODE_CHILD = r"""
-import sys, time, torch
-from cpgraph.runtime.kv_pool import KVPool, KVPoolConfig
-from cpgraph.transfer import DecodeSide
-cfg = KVPoolConfig(num_layers=4, page_size=16, num_pages=1024, kv_lora_rank=480, qk_rope_dim=32,
-                   index_head_dim=64, index_layers=[0, 2], dtype=torch.float32)
-dec = DecodeSide(KVPool(cfg))
-dec.open_room(0, 1024 * 16 - 1, [sys.argv[1]])
-print("registered", flush=True)
-time.sleep(60)
-"""
+def decode_child(prefill_address: str, ready) -> None:
+    """A decode process that registers one room of 1024 pages with the prefill peer, then waits to be killed."""
+    os.environ["MC_LOG_LEVEL"] = "ERROR"  # before Mooncake loads in this process
+    cfg = KVPoolConfig(num_layers=4, page_size=16, num_pages=1024, kv_lora_rank=480, qk_rope_dim=32,
+                       index_head_dim=64, index_layers=[0, 2], dtype=torch.float32)
+    dec = DecodeSide(KVPool(cfg))
+    dec.open_room(0, 1024 * 16 - 1, [prefill_address])
+    ready.put("registered")
+    time.sleep(60)
 
 
 def test_decode_killed_mid_transfer(tmp_path):
@@ -239,10 +240,13 @@ def test_decode_killed_mid_transfer(tmp_path):
                        index_head_dim=64, index_layers=[0, 2], dtype=torch.float32)
     pool = KVPool(cfg)  # 4 x 32 MiB MLA + index: ~136 MiB to send, in 256 KiB batches
     peer = PrefillPeer(pool, 0, max_batch_bytes=256 << 10, timeout=10)
-    child = subprocess.Popen([sys.executable, "-c", _DECODE_CHILD, peer.address], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, env=dict(os.environ, MC_LOG_LEVEL="ERROR"))
+    # A process of its own (forked from the suite's fork server: torch comes imported), killed with SIGKILL.
+    ctx = _fork_server_context()
+    ready = ctx.Queue()
+    child = ctx.Process(target=decode_child, args=(peer.address, ready), daemon=True)
+    child.start()
     try:
-        assert child.stdout.readline().strip() == b"registered"
+        assert ready.get(timeout=120) == "registered"
         table = pool.alloc_pages_with_owners([0] * 1024)
         ch = peer.begin_chunk(0, table, 0, 1024, last=True, overlap=False)
         out = {}
@@ -252,7 +256,8 @@ def test_decode_killed_mid_transfer(tmp_path):
         while peer.sender.metric(0).bytes_sent < (1 << 20) and time.monotonic() - t0 < 20:
             time.sleep(0.001)
         child.kill()
-        child.wait(timeout=10)
+        child.join(timeout=10)
+        assert child.exitcode == -9
         th.join(timeout=15)
         assert not th.is_alive(), "sender hung after decode died"
         assert out["st"] == RoomStatus.FAILED and peer.statuses.failed(0)
