@@ -217,6 +217,10 @@ def job_moe_inductor(ctx):
     per = 8 // W
     shard = shard_experts(copy.deepcopy(whole), (ctx.rank * per, (ctx.rank + 1) * per))
     torch._inductor.config.fx_graph_cache = False
+    # Scalar C++ kernels, as the CP model tests compile (tests/cp_model.py): this checks the graph Inductor
+    # lowers around the EP ops, not the CPU vector code; scalar kernels compile in about half the time, and
+    # with the CP tests' compiler flags, so they share one precompiled header on a cold machine.
+    torch._inductor.config.cpp.vec_isa_ok = False
     ep = compile(shard, CPConfig(group=ctx.group_name, cp_size=W, ep=W, moe_modules=()), backend="inductor",
                  dynamic=True)
     x = _rows(7, seed=ctx.rank)
