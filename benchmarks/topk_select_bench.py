@@ -99,6 +99,7 @@ def main(argv=None):
     ap.add_argument("--kinds", default="indexer,randn,zeros")
     ap.add_argument("--sweep", action="store_true",
                     help="time every tuning variant on the first kind (the others: the default and the best)")
+    ap.add_argument("--chunk-rows", type=int, default=4096, help="rows per launch of the chunked comparison")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -140,6 +141,24 @@ def main(argv=None):
             row["variants"].append({"variant": list(v), "ms": ms, "wrong_rows": bad})
             print(f"  {kind} select {v}: {ms:.3f} ms ({limit_ms / ms:.2f} of the read limit), wrong rows {bad}",
                   flush=True)
+        # Launch order and chunking, default variant: the forward selects ``--chunk-rows`` rows per
+        # launch (its score budget); each launch can end on a wave of its longest rows.
+        from cpgraph.kernels import indexer_tuning
+        keep = indexer_tuning.get("SELECT_LAST_ROW_FIRST")
+        row["order"] = []
+        for last_first in (False, True):
+            indexer_tuning.set_tuning(SELECT_LAST_ROW_FIRST=last_first)
+            for chunk in (S, args.chunk_rows):
+                def chunked(chunk=chunk):
+                    for a in range(0, S, chunk):
+                        m = min(chunk, S - a)
+                        ki.select_rows(buf[a:a + m], ks, ke, out, a, m, TOPK, scratch=scratch)
+                ms = time_ms(chunked)
+                bad = check(buf, ks, ke, out, S)
+                row["order"].append({"last_row_first": last_first, "chunk_rows": chunk, "ms": ms, "wrong_rows": bad})
+                print(f"  {kind} select default, last row first {last_first}, {chunk} rows a launch: {ms:.3f} ms, "
+                      f"wrong rows {bad}", flush=True)
+        indexer_tuning.set_tuning(SELECT_LAST_ROW_FIRST=keep)
         topk_ms = time_ms(lambda: buf.topk(TOPK, dim=1))
         row["torch_topk_ms"] = topk_ms
         best = min(row["variants"], key=lambda r: r["ms"]) if row["variants"] else None

@@ -31,6 +31,8 @@ own inputs.  See docs/ops/fp8_linear.md.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -73,16 +75,51 @@ def _tile_of(group_ends, t, E, C, EP: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _k_pair(acc, a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, stride_sak, k0, ok_m, ok_n, BK: tl.constexpr):
+    """Two ``BK`` blocks (``K`` a multiple of ``2 BK``, one weight-scale block per tile): both dots first.
+
+    The two tensor-core dots do not depend on each other, so the second can issue while the first
+    one's result is scaled on the CUDA cores; the sums reach ``acc`` in the same order as two
+    :func:`~.fp8_linear._k_step` calls.
+    """
+    kb = k0 // BK
+    a0 = tl.load(a_ptrs, mask=ok_m[:, None], other=0.0)
+    b0 = tl.load(b_ptrs, mask=ok_n[:, None], other=0.0)
+    a1 = tl.load(a_ptrs + BK, mask=ok_m[:, None], other=0.0)
+    b1 = tl.load(b_ptrs + BK, mask=ok_n[:, None], other=0.0)
+    p0 = tl.dot(a0, tl.trans(b0))
+    p1 = tl.dot(a1, tl.trans(b1))
+    f0 = tl.load(sa_ptrs + kb * stride_sak, mask=ok_m, other=0.0) * tl.load(sb_ptrs + kb)
+    f1 = tl.load(sa_ptrs + (kb + 1) * stride_sak, mask=ok_m, other=0.0) * tl.load(sb_ptrs + kb + 1)
+    acc = acc + p0 * f0[:, None]
+    return acc + p1 * f1[:, None]
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a, a_scale, a_rows, b, b_scale, group_ends, out,
-    N, K, E, C, stride_sam, stride_sak, stride_be, stride_bse, n_kb,
+    N, K, E, C, stride_sam, stride_sak, stride_be, stride_bse, n_kb, T, NT,
     EP: tl.constexpr, GATHER: tl.constexpr, BLOCK_N_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, OUT_KIND: tl.constexpr, LOOP_WHILE: tl.constexpr, SB_SCALAR: tl.constexpr,
-    EVEN_K: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, GROUP_T: tl.constexpr = 1, PAIR_K: tl.constexpr = False,
 ):  # fmt: skip
-    """``out[rows of one expert's tile, BN columns]`` = that expert's block-scaled FP8 product."""
-    t = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """``out[rows of one expert's tile, BN columns]`` = that expert's block-scaled FP8 product.
+
+    ``GROUP_T > 1``: a 1-D grid in grouped raster order, ``GROUP_T`` row tiles by every column tile
+    (row tile fastest), so a group's input rows stay in L2 while every weight column tile passes
+    over them; with ``GROUP_T == 1`` the grid is 2-D (row tiles x column tiles), and each input row
+    tile is read from HBM once per column tile (see :func:`_gemm_tiles`).
+    """
+    if GROUP_T > 1:
+        pid = tl.program_id(0)
+        per_group = GROUP_T * NT
+        first_t = (pid // per_group) * GROUP_T
+        size = tl.minimum(T - first_t, GROUP_T)
+        t = first_t + (pid % per_group) % size
+        pid_n = (pid % per_group) // size
+    else:
+        t = tl.program_id(0)
+        pid_n = tl.program_id(1)
     e, first, end, live = _tile_of(group_ends, t, E, C, EP, BM)
     if live:
         rm = first + tl.arange(0, BM)
@@ -104,12 +141,19 @@ def _grouped_gemm_kernel(
         else:
             sb_ptrs = b_scale + e64 * stride_bse + (rn // BLOCK_N_Q).to(tl.int64) * n_kb
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        STEP: tl.constexpr = 2 * BK if PAIR_K else BK
         if LOOP_WHILE:  # the interpreter cannot take a runtime bound in range()
             k0 = 0
             while k0 < K:
                 acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk,
                               BK, SB_SCALAR, EVEN_K)
-                k0 += BK
+                if PAIR_K:
+                    acc = _k_step(acc, a_ptrs + k0 + BK, b_ptrs + k0 + BK, sa_ptrs, sb_ptrs, stride_sak, k0 + BK, K,
+                                  ok_m, ok_n, rk, BK, SB_SCALAR, EVEN_K)
+                k0 += STEP
+        elif PAIR_K:
+            for k0 in range(0, K, STEP):
+                acc = _k_pair(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, ok_m, ok_n, BK)
         else:
             for k0 in range(0, K, BK):
                 acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk,
@@ -117,17 +161,41 @@ def _grouped_gemm_kernel(
         store_f32_as(out + rm64[:, None] * N + rn[None, :], acc, ok_m[:, None] & ok_n[None, :], OUT_KIND)
 
 
-def _gemm_tiles(rows: int, experts: int) -> tuple[int, int, int, int]:
-    """``(BM, BN, num_warps, num_stages)``: 64 x 128 tiles, one warpgroup, 4 stages.
+TILES_ENV = "CPGRAPH_FP8_GROUPED_TILES"
 
-    Measured on H200 at V3.2's gate/up shape (256 experts, 32K and 128K routed rows,
-    ``benchmarks/moe_bench.py --fp8 --tiles``): the fastest or within 3 % of it, 11-25 % faster
-    than 128 x 128 / 8 warps.  Small tiles waste less on each expert's partial last tile, and
-    several one-warpgroup CTAs per SM overlap one CTA's fp32 scaling with another's MMAs.
+
+def _gemm_tiles(rows: int, experts: int) -> tuple[int, ...]:
+    """``(BM, BN, num_warps, num_stages, group_t, pair_k)``: 128 x 128, two warpgroups, 3 stages, groups of 16, paired K.
+
+    Measured on H200 at V3.2's shapes (256 experts, 32K x 8 and 128K x 8 routed rows,
+    ``benchmarks/moe_bench.py --fp8 --tiles``, one run, against ``torch._grouped_mm`` bf16):
+
+    * raster order: the 2-D grid (``group_t = 1``) reads each input row tile from HBM once per
+      column tile (32 times for gate/up, 56 for down); in groups of 16 row tiles (1-D grid, row
+      tile fastest) it stays in L2.  64 x 128 tiles: gate/up 25.3 -> 22.0 ms at 32K (1.00x ->
+      1.15x), down 14.5 -> 12.9 ms (0.92x -> 1.03x);
+    * paired K blocks (:func:`_k_pair`): two independent dots per step, so one can run on the
+      tensor cores while the other's result is scaled on the CUDA cores.  With 128 x 128 / 8
+      warps: gate/up 21.1 ms (1.20x; 1.26x at 128K), down 12.0 ms (1.11x; 1.07x at 128K), the
+      best of nine variants on their sum.  With one warpgroup it is slower (registers: two fp32
+      dot results beside the accumulator).
+
+    ``CPGRAPH_FP8_GROUPED_TILES=BM,BN,warps,stages[,group_t[,pair_k]]`` overrides it (tuning; the
+    bits change only with the tile, never with ``group_t`` or ``pair_k``).
     """
     if interpreting():
-        return 32, 32, 4, 1
-    return 64, 128, 4, 4
+        return 32, 32, 4, 1, 1
+    env = os.environ.get(TILES_ENV, "")
+    if env:
+        try:
+            vals = tuple(int(v) for v in env.split(","))
+        except ValueError:
+            vals = ()
+        if len(vals) not in (4, 5, 6) or min(vals[:5]) < 1:
+            raise ValueError(f"{TILES_ENV} must be BM,BN,warps,stages[,group_t[,pair_k]] (positive ints, pair_k 0 "
+                             f"or 1), got {env!r}")
+        return vals
+    return 128, 128, 8, 3, 16, 1
 
 
 def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block_k: int, out_dtype, rows: int,
@@ -139,7 +207,7 @@ def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block
     ``a`` (``None``: the identity); ``b`` e4m3 ``[E, N, K]`` with
     ``b_scale [E, ceil(N / block_n), ceil(K / block_k)]``; ``group_ends``
     int32 ``[E]`` cumulative rows per expert.  Rows past ``group_ends[-1]``
-    are left unwritten.  ``tiles`` overrides ``(BM, BN, warps, stages)``.
+    are left unwritten.  ``tiles`` overrides ``(BM, BN, warps, stages[, group_t[, pair_k]])``.
     """
     if block_k & (block_k - 1) or not 32 <= block_k <= 256:
         raise ValueError(f"cpgraph.moe_experts: the FP8 grouped GEMM needs block_k a power of two in [32, 256], got {block_k}")
@@ -147,17 +215,23 @@ def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block
     out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
     if rows == 0 or n == 0 or e == 0:
         return out
-    bm, bn, warps, stages = tiles or _gemm_tiles(rows, e)
+    bm, bn, warps, stages, *rest = tiles or _gemm_tiles(rows, e)
+    group_t = rest[0] if rest else 1
+    # Paired K blocks need whole pairs of K blocks and one weight-scale block per column tile.
+    pair_k = bool(rest[1]) if len(rest) > 1 else False
+    pair_k = pair_k and k % (2 * block_k) == 0 and block_n % bn == 0
     b = b.contiguous()
     b_scale = b_scale.contiguous()
-    grid = (triton.cdiv(rows, bm) + e, triton.cdiv(n, bn))
+    row_tiles, col_tiles = triton.cdiv(rows, bm) + e, triton.cdiv(n, bn)
+    grid = (row_tiles * col_tiles,) if group_t > 1 else (row_tiles, col_tiles)
     dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
     _grouped_gemm_kernel[grid](
         a.contiguous(), a_scale, a_rows if a_rows is not None else group_ends, b, b_scale, group_ends, dst,
         n, k, e, rows, a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), b_scale.shape[2],
+        row_tiles, col_tiles,
         EP=max(16, triton.next_power_of_2(e)), GATHER=a_rows is not None, BLOCK_N_Q=block_n, BM=bm, BN=bn,
         BK=block_k, OUT_KIND=_KINDS[out_dtype], LOOP_WHILE=interpreting(), SB_SCALAR=block_n % bn == 0,
-        EVEN_K=k % block_k == 0,
+        EVEN_K=k % block_k == 0, GROUP_T=group_t, PAIR_K=pair_k,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -45,6 +45,8 @@ _TUNE = {
     "SELECT_WARPS": 4,
     "SELECT_SAMPLE": 512,
     "SELECT_MAXNREG": 0,
+    # Launch the selection's rows last first (causal windows grow with the row: longest first).
+    "SELECT_LAST_ROW_FIRST": True,
 }
 
 

@@ -199,11 +199,19 @@ def _collect_step(srow, orow, kv_slots, i0, hi, threshold, need, taken, ties, to
 @triton.jit
 def _select_kernel(
     scores, ks, ke, kv_slots, out, cand,
-    row0, n_keys, score_stride, cand_stride, cand_cap, topk,
+    row0, m_rows, n_keys, score_stride, cand_stride, cand_cap, topk,
     KP: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, PAGED: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    LAST_ROW_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    """Row ``row0 + program`` of ``out`` <- its top-k under the tie rule, in position order (scores row = program)."""
+    """Row ``row0 + local`` of ``out`` <- its top-k under the tie rule, in position order (scores row = local).
+
+    ``LAST_ROW_FIRST``: program ``p`` takes row ``m_rows - 1 - p``.  Causal windows grow with the
+    row, and the GPU starts programs in order, so the longest rows start first and the launch does
+    not end on a wave of its longest rows (longest-processing-time-first).
+    """
     local = tl.program_id(0)
+    if LAST_ROW_FIRST:
+        local = m_rows - 1 - local
     row = row0 + local
     topk = topk + tl.zeros((), tl.int32)  # a tensor even when Triton specialises topk == 1
     lo, hi = _window(ks, ke, row, n_keys)
@@ -284,9 +292,10 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
     ks, ke = ks.contiguous(), ke.contiguous()
     cap = _TUNE["SELECT_MAXNREG"] if maxnreg is None else maxnreg
     _select_kernel[(m_rows,)](
-        scores, ks, ke, kv_slots if paged else ks, out, scratch, row0, N, scores.stride(0), scratch.stride(0),
+        scores, ks, ke, kv_slots if paged else ks, out, scratch, row0, m_rows, N, scores.stride(0), scratch.stride(0),
         scratch.shape[1], topk,
         KP=kp, BLOCK=block, SAMPLE=sample, PAGED=paged, LOOP_WHILE=interpreting(),
+        LAST_ROW_FIRST=_TUNE["SELECT_LAST_ROW_FIRST"],
         num_warps=num_warps or (4 if interpreting() else _TUNE["SELECT_WARPS"]),
         **({"maxnreg": cap} if cap and not interpreting() else {}),
     )  # fmt: skip

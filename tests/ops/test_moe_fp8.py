@@ -296,14 +296,18 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
-    sig = dict.fromkeys(["N", "K", "E", "C", "stride_sam", "stride_sak", "stride_be", "stride_bse", "n_kb"], "i32")
+    sig = dict.fromkeys(["N", "K", "E", "C", "stride_sam", "stride_sak", "stride_be", "stride_bse", "n_kb", "T", "NT"], "i32")
     sig = {"a": "*fp8e4nv", "a_scale": "*fp32", "a_rows": "*i64", "b": "*fp8e4nv", "b_scale": "*fp32",
            "group_ends": "*i32", "out": "*i16", **sig}
     consts = {"EP": 256, "BLOCK_N_Q": 128, "BK": 128, "OUT_KIND": 1, "LOOP_WHILE": False}
-    sig.update(dict.fromkeys(["EP", "GATHER", "BLOCK_N_Q", "BM", "BN", "BK", "OUT_KIND", "LOOP_WHILE", "SB_SCALAR"], "constexpr"))
+    sig.update(dict.fromkeys(["EP", "GATHER", "BLOCK_N_Q", "BM", "BN", "BK", "OUT_KIND", "LOOP_WHILE", "SB_SCALAR",
+                              "EVEN_K", "GROUP_T", "PAIR_K"], "constexpr"))
     aligned = ["a", "a_scale", "a_rows", "b", "b_scale", "group_ends", "out", "N", "K", "stride_sam", "stride_be"]
-    for gather, (bm, bn, warps, stages) in ((True, (64, 128, 4, 4)), (False, (128, 128, 8, 4)), (True, (64, 256, 8, 3))):
-        k = build(fg._grouped_gemm_kernel, sig, dict(consts, GATHER=gather, BM=bm, BN=bn, SB_SCALAR=128 % bn == 0),
+    variants = ((True, (64, 128, 4, 4, 16, False)), (False, (128, 128, 8, 4, 1, False)), (True, (64, 256, 8, 3, 1, False)),
+                (True, (128, 128, 8, 3, 16, True)))  # the default; 2-D grids; paired K blocks
+    for gather, (bm, bn, warps, stages, group_t, pair_k) in variants:
+        k = build(fg._grouped_gemm_kernel, sig, dict(consts, GATHER=gather, BM=bm, BN=bn, SB_SCALAR=128 % bn == 0,
+                                                     EVEN_K=True, GROUP_T=group_t, PAIR_K=pair_k),
                   aligned, num_warps=warps, num_stages=stages)
         ttgir = k.asm["ttgir"]
         assert "warp_group_dot" in ttgir  # Hopper wgmma
