@@ -165,20 +165,20 @@ TILES_ENV = "CPGRAPH_FP8_GROUPED_TILES"
 
 
 def _gemm_tiles(rows: int, experts: int) -> tuple[int, ...]:
-    """``(BM, BN, num_warps, num_stages, group_t, pair_k)``: 128 x 128, two warpgroups, 3 stages, groups of 16, paired K.
+    """``(BM, BN, num_warps, num_stages, group_t)``: 64 x 128, one warpgroup, 4 stages, groups of 16 row tiles.
 
-    Measured on H200 at V3.2's shapes (256 experts, 32K x 8 and 128K x 8 routed rows,
-    ``benchmarks/moe_bench.py --fp8 --tiles``, one run, against ``torch._grouped_mm`` bf16):
+    Measured on H200 at V3.2's shapes (256 experts, 32K x 8 routed rows):
 
     * raster order: the 2-D grid (``group_t = 1``) reads each input row tile from HBM once per
       column tile (32 times for gate/up, 56 for down); in groups of 16 row tiles (1-D grid, row
-      tile fastest) it stays in L2.  64 x 128 tiles: gate/up 25.3 -> 22.0 ms at 32K (1.00x ->
-      1.15x), down 14.5 -> 12.9 ms (0.92x -> 1.03x);
-    * paired K blocks (:func:`_k_pair`): two independent dots per step, so one can run on the
-      tensor cores while the other's result is scaled on the CUDA cores.  With 128 x 128 / 8
-      warps: gate/up 21.1 ms (1.20x; 1.26x at 128K), down 12.0 ms (1.11x; 1.07x at 128K), the
-      best of nine variants on their sum.  With one warpgroup it is slower (registers: two fp32
-      dot results beside the accumulator).
+      tile fastest) it stays in L2 while every column tile passes over it.  In the compiled
+      two-layer V3.2 forward (``benchmarks/production_shape.py``, FP8 weights + KV, one run): both
+      grouped GEMMs 36.4 -> 32.6 ms.  Alone (``benchmarks/moe_bench.py --fp8 --tiles``): gate/up
+      25.3 -> 22.0 ms (1.00x -> 1.15x ``torch._grouped_mm`` bf16), down 14.5 -> 12.9 ms.
+    * paired K blocks (``pair_k``, :func:`_k_pair`: two independent dots per step) with 128 x 128
+      / 8 warps were 1 ms faster alone (gate/up 1.20x, down 1.11x) but 1.5 ms slower in the
+      forward (34.1 ms), so they stay an option; with one warpgroup they are slower (registers).
+    * 64 x 128 keeps the bits of the earlier default and of deterministic mode's fixed tile.
 
     ``CPGRAPH_FP8_GROUPED_TILES=BM,BN,warps,stages[,group_t[,pair_k]]`` overrides it (tuning; the
     bits change only with the tile, never with ``group_t`` or ``pair_k``).
@@ -195,7 +195,7 @@ def _gemm_tiles(rows: int, experts: int) -> tuple[int, ...]:
             raise ValueError(f"{TILES_ENV} must be BM,BN,warps,stages[,group_t[,pair_k]] (positive ints, pair_k 0 "
                              f"or 1), got {env!r}")
         return vals
-    return 128, 128, 8, 3, 16, 1
+    return 64, 128, 4, 4, 16
 
 
 def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block_k: int, out_dtype, rows: int,
