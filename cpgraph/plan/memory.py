@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # Byte facts of the cache formats (the codecs define them; tests check these against cpgraph.ops.codecs).
 MLA_FP8_RECORD_BYTES = 656  # 512 e4m3 latent + 4 fp32 scales + 64 bf16 RoPE
 FP8_SCALE_BLOCK = 128  # values per scale (index-K keys; weight blocks are 128 x 128)
-DEFAULT_MAX_LOGITS_BYTES = 512 << 20  # KVLayout.max_logits_bytes' default: the dense indexer's score chunk budget
+DEFAULT_MAX_LOGITS_BYTES = 1 << 30  # KVLayout.max_logits_bytes' default: the dense indexer's score chunk budget
 ALLOC_ROUND = 512  # the CUDA caching allocator books every block in multiples of 512 B
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}

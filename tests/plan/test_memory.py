@@ -165,7 +165,7 @@ def test_indexer_scores_are_chunked(kv_format):
     small, big = (mem.plan_memory(cfg, tokens=t, cp=8, row_bucket=4096, kv_format=kv_format) for t in (65536, 131072))
     grow = big.activation_phases["attention"] - small.activation_phases["attention"]
     assert grow < 4096 * 65536  # an unchunked fp32 [rows, keys] would grow by 4 * 4096 * 65536
-    # ... and the score chunk is what the budget sets: a 16x budget (1 GiB) makes it the attention phase's peak
+    # ... and the score chunk is what the budget sets: a 16x budget makes it the attention phase's peak
     # (with the select kernel's candidate scratch beside it: N / 8 int32 columns per fp32 row of N keys).
     wide = mem.plan_memory(cfg, tokens=131072, cp=8, row_bucket=4096, kv_format=kv_format,
                            max_logits_bytes=16 * mem.DEFAULT_MAX_LOGITS_BYTES)
