@@ -45,8 +45,11 @@ def load_tokenizer(path):
         raise ValueError(
             f"{root} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): give prompts as token ids"
         )
-    from transformers import AutoTokenizer
-
+    try:  # transformers is an optional dependency (the `test` extra); the library runs on token ids without it
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(f"{root} has a tokenizer, but reading it needs transformers (pip install transformers); "
+                         "or give prompts as token ids") from None
     try:
         return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises OSError, ValueError, json/tokenizers errors

@@ -83,3 +83,14 @@ def test_prompt_errors(tmp_path):
         encode_prompts(tok, [""], add_special_tokens=False)
     with pytest.raises(ValueError, match="token id 8, outside the model's vocabulary of 8"):
         encode_prompts(tok, ["one rank"], vocab_size=8)
+
+
+def test_tokenizer_without_transformers_is_a_one_line_error(tmp_path, monkeypatch):
+    """transformers is optional: a checkpoint's tokenizer then needs it, said in one line, not an ImportError."""
+    import sys
+
+    save_tokenizer(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(tmp_path)
+    assert "needs transformers" in str(err.value) and "\n" not in str(err.value)
