@@ -40,7 +40,7 @@ def test_dry_run(tmp_path, monkeypatch):
 def _check_fetch(case, pages: int, parts: int | None):
     assert case["pages"] == pages and case["page_bytes"] > 0
     assert parts is None or case["parts_per_page"] == parts
-    for name in ("get_iso", "get_l2", "fetch", "load_back"):
+    for name in ("get_iso", "get_l2", "fetch", "fetch_touch", "load_back"):
         assert case[f"{name}_ms"] > 0 and case[f"{name}_cpu_ms"] >= 0 and case[f"{name}_gbps"] > 0
         assert len(case[f"{name}_samples_ms"]) == case["reps"]
     assert "overhead_us_per_page" in case and "overhead_cpu_us_per_page" in case

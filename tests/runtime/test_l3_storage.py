@@ -151,6 +151,18 @@ def test_size_bound_evicts_least_recently_used(tmp_path):
     assert tiny.put([_key(9)], [_obj(9)]) == [False] and tiny.stats["put_skipped"] == 1
 
 
+def test_a_hit_refreshes_the_lru_clock_of_an_old_object_only(tmp_path):
+    """A read hit sets the mtime of an object last used over TOUCH_NS ago to now, and leaves a recent one alone."""
+    store = FileStore(tmp_path)
+    assert store.put([_key(1), _key(2)], [_obj(1), _obj(2)]) == [True, True]
+    old, recent = store.path(_key(1)), store.path(_key(2))
+    os.utime(old, ns=(10**9, 10**9))
+    stamp = recent.stat().st_mtime_ns - 1000
+    os.utime(recent, ns=(stamp, stamp))
+    assert store.get([_key(1), _key(2)], [_empty(), _empty()]) == [True, True]
+    assert old.stat().st_mtime_ns > 10**18 and recent.stat().st_mtime_ns == stamp
+
+
 def test_several_writers_of_one_key(tmp_path):
     """Threads of two store instances write the same page while a reader reads it: never a partial object."""
     stores = [FileStore(tmp_path, threads=1), FileStore(tmp_path, threads=1)]

@@ -201,9 +201,13 @@ class FileStore(PageStore):
         except OSError as exc:
             self.warn_once(f"read_{exc.errno}", f"cannot open {path}: {exc.strerror or exc}; treated as a miss")
             return "fail"
-        mtime = 0
         try:
             problem, mtime = self._read_verified(fd, key, parts, size)
+            if problem is None and time.time_ns() - mtime > TOUCH_NS:
+                try:
+                    os.utime(fd)  # LRU: a hit is a use (through the open file: no second path lookup)
+                except OSError:
+                    pass
         except OSError as exc:
             problem = f"read error {exc.strerror or exc}"
         finally:
@@ -216,11 +220,6 @@ class FileStore(PageStore):
             except OSError:
                 pass
             return "fail"
-        if time.time_ns() - mtime > TOUCH_NS:
-            try:
-                os.utime(path)  # LRU: a hit is a use
-            except OSError:
-                pass
         return "hit"
 
     def _read_verified(self, fd: int, key: str, parts: Parts, size: int) -> tuple[str | None, int]:

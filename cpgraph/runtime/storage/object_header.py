@@ -45,6 +45,9 @@ VERSION = 2
 HEADER = struct.Struct("<8sIIQQ32s")  # magic, version, header crc, length, object checksum, key
 HEADER_BYTES = 64
 assert HEADER.size == HEADER_BYTES
+# CRC-32 state after a well-formed header's first 16 bytes with its CRC field as zero (magic and version are
+# fixed): a read then runs one crc32 over the header's last 48 bytes, without building a zeroed copy.
+_CRC_AFTER_PREFIX = zlib.crc32(_ZERO4, zlib.crc32(MAGIC + struct.pack("<I", VERSION)))
 
 
 def views(parts) -> list[memoryview]:
@@ -86,8 +89,7 @@ def decode_header(raw) -> tuple[int, int, bytes] | None:
     magic, version, head_crc, length, object_checksum, key = HEADER.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         return None
-    # CRC-32 of the header with its own field as zero, without building that copy
-    if head_crc != zlib.crc32(raw[16:], zlib.crc32(_ZERO4, zlib.crc32(raw[:12]))):
+    if head_crc != zlib.crc32(raw[16:], _CRC_AFTER_PREFIX):  # bytes 0-11 are MAGIC and VERSION here
         return None
     return object_checksum, length, key
 
