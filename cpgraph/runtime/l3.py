@@ -316,7 +316,7 @@ class L3Tier:
                 continue
             digests, _ = self._node_digests(node)
             begin = len(keys)
-            hps = node.host_pages[: len(digests)]
+            hps = np.asarray(node.host_pages[: len(digests)], dtype=np.int64)
             mine = np.flatnonzero(hps >= 0).tolist()
             keys += [self.key(digests[j], self.rank) for j in mine]
             parts += self.host.page_views(hps[mine])
