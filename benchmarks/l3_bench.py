@@ -6,7 +6,7 @@ Three sections, all through the library's real paths (no stand-in copies):
    KV pool (every layer's MLA records plus index-K pages of the indexer
    layers: what one L3 object holds) are written to a fresh
    :class:`~cpgraph.runtime.storage.FileStore` under ``--dir`` and read
-   back into the rows of a host buffer (pinned on CUDA), CRC verification
+   back into the rows of a host buffer (pinned on CUDA), checksum verification
    included:
    * ``file warm``: read right after writing (the page cache holds the files);
    * ``file cold``: ``os.sync()`` then ``posix_fadvise(POSIX_FADV_DONTNEED)``

@@ -169,7 +169,8 @@ class HostPool:
         """
         idx = np.asarray(pages, dtype=np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_pages):
-            raise IndexError(f"HostPool.page_views: pages must be in [0, {self.num_pages}), got {idx.min()}..{idx.max()}")
+            raise IndexError(f"HostPool.page_views: pages must be in [0, {self.num_pages}), "
+                             f"got {idx.min()}..{idx.max()}")
         if self._flat is None:
             self._flat = [(memoryview(t.numpy()).cast("B"), t.shape[1]) for t in self.tensors()]
         flat = self._flat
