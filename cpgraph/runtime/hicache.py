@@ -172,7 +172,7 @@ class HostPool:
             raise IndexError(f"HostPool.page_views: pages must be in [0, {self.num_pages}), "
                              f"got {idx.min()}..{idx.max()}")
         if self._flat is None:
-            self._flat = [(memoryview(t.numpy()).cast("B"), t.shape[1]) for t in self.tensors()]
+            self._flat = [(memoryview(t.numpy().reshape(-1)), t.shape[1]) for t in self.tensors()]
         flat = self._flat
         if len(flat) == 1:
             (v, nb), = flat

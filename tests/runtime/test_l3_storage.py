@@ -327,6 +327,7 @@ def test_page_views_are_the_page_parts_memory(layout):
     for bad in ([4], [-1], [0, 7]):  # a slice would clamp quietly: refused
         with pytest.raises(IndexError, match="pages must be in"):
             host.page_views(bad)
+    assert _host(layout, pages=0).page_views([]) == []
 
 
 @pytest.mark.parametrize("damage", ["none", "flip", "truncate", "longer", "renamed", "header", "empty"])
