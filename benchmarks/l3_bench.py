@@ -1,12 +1,12 @@
 """HiCache L3: restoring a cached prefix from the page store vs recomputing it, store bandwidth, TTFT.
 
-Two sections, both through the library's real paths (no stand-in copies):
+Three sections, all through the library's real paths (no stand-in copies):
 
 1. ``store`` (per ``--tokens`` N): N / page objects shaped like ``--model``'s
    KV pool (every layer's MLA records plus index-K pages of the indexer
    layers: what one L3 object holds) are written to a fresh
    :class:`~cpgraph.runtime.storage.FileStore` under ``--dir`` and read
-   back into the rows of a host buffer (pinned on CUDA), CRC verification
+   back into the rows of a host buffer (pinned on CUDA), checksum verification
    included:
    * ``file warm``: read right after writing (the page cache holds the files);
    * ``file cold``: ``os.sync()`` then ``posix_fadvise(POSIX_FADV_DONTNEED)``
@@ -15,7 +15,24 @@ Two sections, both through the library's real paths (no stand-in copies):
    * ``mooncake``: the same objects through a loopback Mooncake Store
      (master, metadata server and a segment holder started here, TCP), when
      Mooncake is installed.
-2. ``ttft`` (per ``--ttft-tokens`` N): one prompt of N + 1 tokens.
+2. ``fetch`` (per ``--tokens`` N; no model forward: the KV pool, the L2
+   host pool and the L3 tier are built from ``--model``'s config alone, so
+   ``--fetch-only --model production-shaped`` runs on a CPU in seconds):
+   N / page objects are stored from an L2 pool of the model's layout and
+   read back, page cache warm, each pass with a fresh store and a fresh L2
+   pool (as a restoring engine has):
+   * ``get_iso``: ``FileStore.get`` into one contiguous row per object (the
+     ``store`` section's read: the reads alone);
+   * ``get_l2``: ``FileStore.get`` into the L2 rows, as the tier passes them;
+   * ``fetch``: :meth:`L3Tier.start_fetch` + :meth:`L3Tier.finish_fetch`
+     (L2 allocation, keys, the reads and the arrival bookkeeping: what the
+     ``ttft`` section's ``fetch`` times), bytes checked after;
+   * ``fetch_touch``: the same with every object last used long ago (each
+     hit then also refreshes the object's mtime, the LRU clock);
+   * ``load_back``: :meth:`HiCache.load_pages` of the fetched pages into L1
+     (the per-layer copies; to the GPU on CUDA);
+   and ``overhead_us_per_page`` = (fetch - get_iso) / pages.
+3. ``ttft`` (per ``--ttft-tokens`` N): one prompt of N + 1 tokens.
    * cold: a :class:`~cpgraph.runtime.cache_engine.CacheEngine` with a file
      L3 prefills it (every token computed; the L1 -> L2 backup and the
      write-through store that follow the forward are timed apart and
@@ -40,6 +57,7 @@ H200 figure (a prefix costs the compute of a real layer against the KV bytes of 
     python benchmarks/l3_bench.py                       # CPU: store at 32K/128K, TTFT at 32K, tiny-glm5
     python benchmarks/l3_bench.py --device cuda --model production-shaped --tokens 32768,131072 \\
         --ttft-tokens 32768 --dir /tmp/cpgraph-l3-bench --json l3_h200.json
+    python benchmarks/l3_bench.py --fetch-only --model production-shaped --tokens 32768   # the fetch path, CPU
 
 Timings are wall clock around synchronised calls (``torch.cuda.synchronize``
 on CUDA), median of ``--reps``.
@@ -172,6 +190,144 @@ def bench_store(args, cfg: KVPoolConfig, tokens: int, root: Path, mc) -> dict:
     return out
 
 
+# ------------------------------------------------------------------- fetch
+def model_config(name: str, device: str):
+    """``--model``'s config without building weights where that is possible (production-shaped)."""
+    if name == "production-shaped":
+        from production_shape import bench_config
+
+        return bench_config("v32", 2, False), torch.bfloat16
+    model = load_model(name, device)
+    return model.config, model.dtype
+
+
+def fetch_pool_config(config, dtype, page: int, num_pages: int, device: str) -> KVPoolConfig:
+    """The KV pool a :class:`CacheEngine` builds for ``config`` (bf16 records, no draft layer)."""
+    return KVPoolConfig(num_layers=config.num_hidden_layers, page_size=page, num_pages=num_pages, kv_format="dense",
+                        kv_lora_rank=config.kv_lora_rank, qk_rope_dim=config.qk_rope_head_dim,
+                        index_head_dim=config.index_head_dim, index_layers=list(config.indexer_layers), dtype=dtype,
+                        device=device)
+
+
+def _tier(store, cfg: KVPoolConfig, host_pages: int, layout: str):
+    """An L3 tier over ``store`` with its own L1 pool (``cfg``), L2 pool and tree (what a CacheEngine wires)."""
+    from cpgraph.runtime.hicache import DevicePages, HiCache, HostPool
+    from cpgraph.runtime.kv_pool import KVPool
+    from cpgraph.runtime.l3 import L3Tier
+    from cpgraph.runtime.radix.tree import RadixCache
+
+    pool = KVPool(cfg)
+    tree = RadixCache(cfg.page_size)
+    hc = HiCache(DevicePages(pool, 1), HostPool(pool, host_pages, 1, layout), tree)
+    return L3Tier(store, hc, fingerprint="l3-bench-fetch", device=cfg.device)
+
+
+def _l2_parts(host, pages):
+    """The byte ranges the tier reads into (``HostPool.page_views``; tensor views where the library predates it)."""
+    if hasattr(host, "page_views"):
+        return host.page_views(pages)
+    return [host.page_parts(int(p)) for p in pages]
+
+
+def bench_fetch(args, config, dtype, tokens: int, root: Path) -> dict:
+    """The ``fetch`` section at ``tokens`` (module docstring).  On CPU torch runs one thread here: its idle
+    OpenMP workers spin after each parallel op and, on a small machine, steal the cores the reads run on."""
+    threads = torch.get_num_threads()
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _bench_fetch(args, config, dtype, tokens, root)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench_fetch(args, config, dtype, tokens: int, root: Path) -> dict:
+    import numpy as np
+
+    page = args.page
+    pages = tokens // page
+    d = root / f"fetch-{tokens}"
+    shutil.rmtree(d, ignore_errors=True)
+    src = _tier(FileStore(d), fetch_pool_config(config, dtype, page, 1, args.device), pages, args.layout)
+    for t in src.host.tensors():
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    g = torch.Generator().manual_seed(tokens)
+    digests = src.chain(torch.randint(0, 1 << 20, (tokens + 1,), generator=g).tolist(), pages)
+    keys = [src.key(x, 0) for x in digests]
+    owners = np.zeros(pages, np.int64)
+    assert all(src.store.put(keys, _l2_parts(src.host, range(pages))))
+    page_bytes = sum(src.host.payload_bytes)
+    total = pages * page_bytes
+    want = [t.clone() for t in src.host.tensors()]
+    src.close()
+    out = {"tokens": tokens, "pages": pages, "page_bytes": page_bytes, "bytes": total, "layout": args.layout,
+           "parts_per_page": len(want), "reps": args.reps}
+
+    def store():
+        return FileStore(d, threads=args.threads)
+
+    iso = torch.zeros(pages, page_bytes, dtype=torch.uint8, pin_memory=args.device == "cuda")
+    flat = torch.cat([w.view(pages, -1) for w in want], dim=1) if len(want) > 1 else want[0]
+    samples = {name: ([], []) for name in ("get_iso", "get_l2", "fetch", "fetch_touch", "load_back")}  # (wall, CPU) s
+    paths = [str(FileStore(d).path(k)) for k in keys]
+
+    def timed(name, fn):
+        """``fn()`` timed in wall and process CPU seconds (CPU: robust to a shared machine's other load)."""
+        sync(args.device)
+        w, c = time.perf_counter(), time.process_time()
+        res = fn()
+        sync(args.device)
+        samples[name][0].append(time.perf_counter() - w)
+        samples[name][1].append(time.process_time() - c)
+        return res
+
+    for _ in range(args.reps):
+        s = store()
+        iso.zero_()
+        ok = timed("get_iso", lambda: s.get(keys, [[iso[j]] for j in range(pages)]))
+        assert all(ok) and torch.equal(iso, flat), "bytes read back differ"
+        s.close()
+
+        tier = _tier(store(), fetch_pool_config(config, dtype, page, 1, args.device), pages, args.layout)
+        hp = tier.hicache.alloc_host(owners)
+        parts = _l2_parts(tier.host, hp)
+        assert all(timed("get_l2", lambda: tier.store.get(keys, parts)))
+        tier.host.free(hp, owners)
+        tier.close()
+
+        tier = _tier(store(), fetch_pool_config(config, dtype, page, pages, args.device), pages, args.layout)
+        hp, arrived = timed("fetch", lambda: tier.finish_fetch(tier.start_fetch(digests, owners)))
+        assert arrived.all() and sorted(hp.tolist()) == list(range(pages))
+        rows = torch.as_tensor(hp)  # page j landed in L2 row hp[j]
+        assert all(torch.equal(t[rows], w) for t, w in zip(tier.host.tensors(), want)), "fetched bytes differ"
+
+        def load():
+            loaded = tier.hicache.load_pages(hp, owners)
+            assert loaded is not None
+            loaded[1].synchronize()
+
+        timed("load_back", load)
+        tier.close()
+
+        for path in paths:  # objects last used long ago: every hit also refreshes the LRU clock (mtime)
+            os.utime(path, ns=(10**9, 10**9))
+        tier = _tier(store(), fetch_pool_config(config, dtype, page, 1, args.device), pages, args.layout)
+        hp, arrived = timed("fetch_touch", lambda: tier.finish_fetch(tier.start_fetch(digests, owners)))
+        assert arrived.all() and os.stat(paths[0]).st_mtime_ns > 10**18
+        tier.close()
+    for name, (wall, cpu) in samples.items():
+        med = statistics.median(wall)
+        out[f"{name}_ms"] = med * 1e3
+        out[f"{name}_min_ms"] = min(wall) * 1e3
+        out[f"{name}_cpu_ms"] = statistics.median(cpu) * 1e3
+        out[f"{name}_gbps"] = total / med / 1e9
+        out[f"{name}_samples_ms"] = [x * 1e3 for x in wall]
+    out["overhead_us_per_page"] = (out["fetch_ms"] - out["get_iso_ms"]) * 1e3 / pages
+    out["overhead_cpu_us_per_page"] = (out["fetch_cpu_ms"] - out["get_iso_cpu_ms"]) * 1e3 / pages
+    shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
 # -------------------------------------------------------------------- TTFT
 class Timer:
     """Wall time spent inside wrapped callables (synchronised on CUDA)."""
@@ -300,26 +456,37 @@ def main() -> int:
                     help="cold passes (default 3 on cuda, the first left out as JIT warm-up; 1 on cpu)")
     ap.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store measurements")
     ap.add_argument("--mooncake-segment", default="4GB", help="memory of the local store's segment holder")
+    ap.add_argument("--fetch-only", action="store_true",
+                    help="only the fetch section (no model forward; production-shaped builds no weights)")
+    ap.add_argument("--layout", default="layer_page_first", choices=("layer_page_first", "page_first"),
+                    help="fetch section: the L2 host layout (CacheEngine's default: layer_page_first)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.cold_reps is None:
         args.cold_reps = 3 if args.device == "cuda" else 1
     root = Path(args.dir or tempfile.mkdtemp(prefix="cpgraph-l3-bench-"))
     root.mkdir(parents=True, exist_ok=True)
+    if args.fetch_only:
+        args.no_mooncake, args.ttft_tokens = True, ""
     why = mooncake_local.missing()
     mc = None
     if not args.no_mooncake and why is None:
         mc = mooncake_local.LocalMooncake(segment=args.mooncake_segment).start()
     elif not args.no_mooncake:
         log(f"no Mooncake measurements: {why}")
-    model = load_model(args.model, args.device)
-    cfg = pool_shape(model, args.page)
+    if args.fetch_only:
+        model = None
+        config, dtype = model_config(args.model, args.device)
+    else:
+        model = load_model(args.model, args.device)
+        cfg = pool_shape(model, args.page)
+        config, dtype = model.config, model.dtype
     report = {"device": args.device, "model": args.model, "page": args.page, "dir": str(root),
               "filesystem": fs_type(root), "cold_method": "os.sync() + posix_fadvise(POSIX_FADV_DONTNEED) per file",
-              "threads": args.threads, "store": [], "ttft": []}
+              "threads": args.threads, "store": [], "fetch": [], "ttft": []}
     log(f"store directory {root} ({report['filesystem']}); model {args.model} on {args.device}")
     try:
-        for n in [int(x) for x in args.tokens.split(",") if x]:
+        for n in [int(x) for x in args.tokens.split(",") if x] if not args.fetch_only else []:
             r = bench_store(args, cfg, n, root, mc)
             report["store"].append(r)
             moon = (f"; mooncake write {r['mooncake_write_gbps']:.2f} read {r['mooncake_read_gbps']:.2f} GB/s"
@@ -327,6 +494,17 @@ def main() -> int:
             log(f"store {n} tokens = {r['pages']} pages x {r['page_bytes']} B ({r['bytes'] / 1e6:.1f} MB): file write "
                 f"{r['file_write_gbps']:.2f}, read warm {r['file_warm_gbps']:.2f}, cold {r['file_cold_gbps']:.2f} GB/s"
                 f"{moon}")
+        for n in [int(x) for x in args.tokens.split(",") if x]:
+            r = bench_fetch(args, config, dtype, n, root)
+            report["fetch"].append(r)
+            log(f"fetch {n} tokens = {r['pages']} pages x {r['page_bytes']} B in {r['parts_per_page']} part(s) "
+                f"({r['bytes'] / 1e6:.1f} MB, page cache warm), median wall (CPU) ms: get alone "
+                f"{r['get_iso_ms']:.1f} ({r['get_iso_cpu_ms']:.1f}) = {r['get_iso_gbps']:.2f} GB/s, get into L2 "
+                f"{r['get_l2_ms']:.1f} ({r['get_l2_cpu_ms']:.1f}), fetch into L2 {r['fetch_ms']:.1f} "
+                f"({r['fetch_cpu_ms']:.1f}) = {r['fetch_gbps']:.2f} GB/s, {r['overhead_us_per_page']:.1f} "
+                f"({r['overhead_cpu_us_per_page']:.1f}) us/page over the get alone, with LRU touches "
+                f"{r['fetch_touch_ms']:.1f} ({r['fetch_touch_cpu_ms']:.1f}); load-back "
+                f"{r['load_back_ms']:.1f} ({r['load_back_cpu_ms']:.1f})")
         for n in [int(x) for x in args.ttft_tokens.split(",") if x]:
             r = bench_ttft(args, model, n, root, mc)
             report["ttft"].append(r)

@@ -221,8 +221,8 @@ class L3Tier:
         pending = PendingFetch(hp, owners, mine)
         if mine.size:
             self._host_quiet()
-            keys = [self.key(digests[j], self.rank) for j in mine]
-            parts = [self.host.page_parts(int(hp[j])) for j in mine]
+            keys = [self.key(digests[j], self.rank) for j in mine.tolist()]
+            parts = self.host.page_views(hp[mine])  # byte views of the L2 rows: the reads land there
             if background:
                 if self._io is None:
                     self._io = ThreadPoolExecutor(1, thread_name_prefix="cpgraph-l3-io")
@@ -316,11 +316,10 @@ class L3Tier:
                 continue
             digests, _ = self._node_digests(node)
             begin = len(keys)
-            for j, d in enumerate(digests):
-                hp = int(node.host_pages[j])
-                if hp >= 0:
-                    keys.append(self.key(d, self.rank))
-                    parts.append(self.host.page_parts(hp))
+            hps = np.asarray(node.host_pages[: len(digests)], dtype=np.int64)
+            mine = np.flatnonzero(hps >= 0).tolist()
+            keys += [self.key(digests[j], self.rank) for j in mine]
+            parts += self.host.page_views(hps[mine])
             spans.append((node, begin, len(keys), len(digests) == node.num_pages))
         if keys:
             self._host_quiet()

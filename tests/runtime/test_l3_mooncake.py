@@ -74,6 +74,27 @@ def test_batch_put_get_between_two_clients(mooncake):
         b.close()
 
 
+def test_memoryview_parts_inside_and_outside_registered_memory(mooncake):
+    """Byte memoryviews work as parts (what the tier passes: slices of the registered L2 buffers), and memory
+    nobody registered is registered on first use; a read refuses a read-only view."""
+    a = MooncakeStore(mooncake.master, metadata=mooncake.metadata)
+    b = MooncakeStore(mooncake.master, metadata=mooncake.metadata)
+    try:
+        src = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+        a.register(src)
+        mv = memoryview(src.numpy()).cast("B")
+        assert a.put([_key(201), _key(202)], [[mv[:300], mv[300:500]], [mv[500:]]]) == [True, True]
+        dst = bytearray(1000)  # never registered
+        v = memoryview(dst)
+        assert b.get([_key(201), _key(202)], [[v[:500]], [v[500:800], v[800:]]]) == [True, True]
+        assert bytes(dst) == src.numpy().tobytes() and b.stats["get_bytes"] == 1000
+        with pytest.raises(ValueError, match="writable"):
+            b.get([_key(201)], [[memoryview(bytes(500))]])
+    finally:
+        a.close()
+        b.close()
+
+
 def test_second_engine_restores_from_mooncake(mooncake, tiny):
     prompts = tiny[2]
     spec = f"mooncake:{mooncake.master},metadata={mooncake.metadata}"

@@ -151,6 +151,18 @@ def test_size_bound_evicts_least_recently_used(tmp_path):
     assert tiny.put([_key(9)], [_obj(9)]) == [False] and tiny.stats["put_skipped"] == 1
 
 
+def test_a_hit_refreshes_the_lru_clock_of_an_old_object_only(tmp_path):
+    """A read hit sets the mtime of an object last used over TOUCH_NS ago to now, and leaves a recent one alone."""
+    store = FileStore(tmp_path)
+    assert store.put([_key(1), _key(2)], [_obj(1), _obj(2)]) == [True, True]
+    old, recent = store.path(_key(1)), store.path(_key(2))
+    os.utime(old, ns=(10**9, 10**9))
+    stamp = recent.stat().st_mtime_ns - 1000
+    os.utime(recent, ns=(stamp, stamp))
+    assert store.get([_key(1), _key(2)], [_empty(), _empty()]) == [True, True]
+    assert old.stat().st_mtime_ns > 10**18 and recent.stat().st_mtime_ns == stamp
+
+
 def test_several_writers_of_one_key(tmp_path):
     """Threads of two store instances write the same page while a reader reads it: never a partial object."""
     stores = [FileStore(tmp_path, threads=1), FileStore(tmp_path, threads=1)]
@@ -159,8 +171,10 @@ def test_several_writers_of_one_key(tmp_path):
 
     def writer(store):
         for _ in range(20):
-            if store.path(_key(1)).exists():
+            try:
                 os.unlink(store.path(_key(1)))  # force a fresh write each round
+            except FileNotFoundError:  # the other writer's unlink came first
+                pass
             if store.put([_key(1)], [obj]) != [True]:
                 errors.append("put")
 
@@ -282,3 +296,89 @@ def test_object_checksum_is_xxh3_of_the_bytes_across_parts():
     assert oh.checksum(oh.views([data[:999]])) != want
     head = oh.encode_header(bytes(range(32)), 1000, want)
     assert len(head) == oh.HEADER_BYTES and oh.check_header(head, bytes(range(32)), 1000) == (want, None)
+
+
+# ------------------------------------------------- reads into L2 byte views
+def _host(layout: str, pages: int = 4):
+    """A small L2 host pool (two MLA payloads and one index-K payload per page) and its device pool."""
+    from cpgraph.runtime.hicache import HostPool
+    from cpgraph.runtime.kv_pool import KVPool
+
+    cfg = KVPoolConfig(num_layers=2, page_size=4, num_pages=2, kv_lora_rank=8, qk_rope_dim=4, index_head_dim=8,
+                       index_layers=[1], dtype=torch.bfloat16)
+    host = HostPool(KVPool(cfg), pages, 1, layout)
+    g = torch.Generator().manual_seed(3)
+    for t in host.tensors():
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    return host
+
+
+@pytest.mark.parametrize("layout", ["layer_page_first", "page_first"])
+def test_page_views_are_the_page_parts_memory(layout):
+    """``HostPool.page_views`` spans the same bytes as ``page_parts``; a write through a view lands in the pool."""
+    host = _host(layout)
+    (views,) = host.page_views([2])
+    parts = host.page_parts(2)
+    assert [v.nbytes for v in views] == [p.numel() for p in parts] and all(type(v) is memoryview for v in views)
+    assert b"".join(bytes(v) for v in views) == b"".join(p.numpy().tobytes() for p in parts)
+    views[-1][0] ^= 0xFF
+    assert host.page_parts(2)[-1][0].item() == views[-1][0]
+    assert len(host.page_views(np.arange(4))) == 4 and host.page_views([]) == []
+    for bad in ([4], [-1], [0, 7]):  # a slice would clamp quietly: refused
+        with pytest.raises(IndexError, match="pages must be in"):
+            host.page_views(bad)
+    assert _host(layout, pages=0).page_views([]) == []
+
+
+@pytest.mark.parametrize("damage", ["none", "flip", "truncate", "longer", "renamed", "header", "empty"])
+def test_reads_into_l2_views_verify_in_place(tmp_path, caplog, damage):
+    """The in-place read path (one preadv of header + object + one byte into L2 byte views) accepts exactly
+    the object stored under this key: a flipped bit, a truncated or longer file, another key's object, a
+    damaged header or an empty file is a miss, logged once, deleted; the other pages of the batch arrive."""
+    src, dst = _host("layer_page_first"), _host("layer_page_first")
+    for t in dst.tensors():
+        t.zero_()
+    store = FileStore(tmp_path)
+    keys = [_key(i) for i in range(3)]
+    assert store.put(keys, src.page_views([0, 1, 2])) == [True] * 3
+    path = store.path(keys[1])
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-1] ^= 0x01  # the last byte: in the last part
+    elif damage == "truncate":
+        raw = raw[:-1]
+    elif damage == "longer":
+        raw += b"\x00"
+    elif damage == "renamed":
+        raw = bytearray(store.path(keys[2]).read_bytes())
+    elif damage == "header":
+        raw[20] ^= 0x80  # the length field: the header's CRC-32 catches it
+    elif damage == "empty":
+        raw = bytearray()
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="cpgraph.storage"):
+        got = store.get(keys, dst.page_views([3, 0, 1]))
+    good = damage == "none"
+    assert got == [True, good, True]
+    for page, want in ((3, 0), (1, 2)) + (((0, 1),) if good else ()):
+        assert all(torch.equal(a, b) for a, b in zip(dst.page_parts(page), src.page_parts(want)))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ([] if good else [warnings[0]]) and path.exists() == good
+    if not good:
+        assert "failed verification" in warnings[0] and store.stats["get_failures"] == 1
+    assert store.stats["get_pages"] == 2 + good
+
+
+def test_memoryview_parts_are_checked():
+    """Byte memoryviews are accepted as parts; a read refuses a read-only one, and any other format is refused."""
+    from cpgraph.runtime.storage import check_parts
+
+    buf = bytearray(10)
+    assert check_parts([memoryview(buf), memoryview(buf)[2:5]], "t", writable=True) == 13
+    assert check_parts([memoryview(bytes(4))], "t") == 4  # a put only reads it
+    with pytest.raises(ValueError, match="writable"):
+        check_parts([memoryview(bytes(4))], "t", writable=True)
+    with pytest.raises(ValueError, match="flat"):
+        check_parts([memoryview(np.zeros(4, np.float32))], "t")
+    with pytest.raises(ValueError, match="flat"):
+        check_parts([memoryview(np.zeros((2, 2), np.uint8))], "t")

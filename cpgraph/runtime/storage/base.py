@@ -11,7 +11,12 @@ a Mooncake master, one pass over a thread pool of file reads).
 Why host buffers: ``get`` writes straight into the rows of the L2 host pool
 (``parts`` below are views of those rows), so the bytes cross at most once
 from the backend into memory that the per-layer L2 -> L1 load-back already
-knows how to move.  A backend that can read into registered memory without
+knows how to move.  A part is a contiguous 1-D uint8 host tensor or a flat
+byte ``memoryview`` of host memory (what :meth:`HostPool.page_views
+<cpgraph.runtime.hicache.HostPool.page_views>` hands out: slicing one
+memoryview per pool buffer costs a fraction of a microsecond, a tensor view
+plus its checks and byte view several -- at 512 pages x 4 payloads per
+restore that was a third of the fetch).  A backend that can read into registered memory without
 a copy (Mooncake's ``batch_get_into``, ``os.preadv`` for files) does so;
 :meth:`PageStore.register` tells it which memory that is.
 
@@ -34,13 +39,22 @@ import torch
 
 log = logging.getLogger("cpgraph.storage")
 
-Parts = Sequence[torch.Tensor]  # one object's byte ranges, in order: contiguous 1-D uint8 host tensors
+# One object's byte ranges, in order: contiguous 1-D uint8 host tensors or flat byte memoryviews.
+Parts = Sequence["torch.Tensor | memoryview"]
 
 
-def check_parts(parts: Parts, where: str) -> int:
-    """Total bytes of one object's ``parts``; refuses anything but contiguous 1-D uint8 CPU tensors."""
+def check_parts(parts: Parts, where: str, *, writable: bool = False) -> int:
+    """Total bytes of one object's ``parts``; refuses anything but contiguous 1-D uint8 CPU tensors and
+    C-contiguous 1-D byte memoryviews (``writable``: a read lands in them, so no read-only memoryview)."""
     total = 0
     for t in parts:
+        if type(t) is memoryview:
+            if t.format != "B" or t.ndim != 1 or not t.c_contiguous or (writable and t.readonly):
+                raise ValueError(f"{where}: memoryview parts must be flat{' writable' if writable else ''} byte "
+                                 f"views, got format {t.format!r}, {t.ndim}-D, "
+                                 f"{'read-only' if t.readonly else 'writable'}")
+            total += t.nbytes
+            continue
         if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{where}: object parts must be contiguous 1-D uint8 host tensors, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")

@@ -80,6 +80,11 @@ def error_name(code: int) -> str:
     return f"{_ERRORS.get(int(code), 'error')} ({int(code)})"
 
 
+def _address(view: memoryview) -> int:
+    """The address of a (non-empty) byte memoryview's first byte."""
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+
+
 def _quiet_mooncake() -> None:
     """Mooncake's own log at ERROR unless the user set ``MC_LOG_LEVEL`` or cpgraph logs at INFO/DEBUG."""
     if "MC_LOG_LEVEL" in os.environ:
@@ -233,11 +238,16 @@ class MooncakeStore(PageStore):
         return self._headers[:n]
 
     def _ptrs(self, parts: Parts, header: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Byte ranges of one object: its header row, then its parts."""
+        """Byte ranges of one object: its header row, then its parts (tensors or byte memoryviews)."""
         ptrs, sizes = [header.data_ptr()], [HEADER_BYTES]
         for t in parts:
-            p, n = t.data_ptr(), t.numel()
-            if not any(a <= p and p + n <= a + m for a, m in self._registered):
+            if type(t) is memoryview:
+                p, n = (_address(t) if t.nbytes else 0), t.nbytes
+            else:
+                p, n = t.data_ptr(), t.numel()
+            if n and not any(a <= p and p + n <= a + m for a, m in self._registered):
+                if type(t) is memoryview:  # memory the caller did not register: register this range
+                    t = torch.frombuffer(t, dtype=torch.uint8)
                 self._pending.append(t)
                 self._register_now(t)
             ptrs.append(p)
@@ -257,7 +267,7 @@ class MooncakeStore(PageStore):
     def get(self, keys: Sequence[str], parts: Sequence[Parts]) -> list[bool]:
         if len(keys) != len(parts):
             raise ValueError(f"MooncakeStore.get: {len(keys)} key(s) but {len(parts)} part list(s)")
-        sizes = [check_parts(p, "MooncakeStore.get") for p in parts]
+        sizes = [check_parts(p, "MooncakeStore.get", writable=True) for p in parts]
         raw_keys = [key_bytes(k, "MooncakeStore") for k in keys]
         if not keys or not self._ready():
             self.stats["get_misses"] += len(keys)

@@ -37,20 +37,28 @@ import zlib
 
 import xxhash
 
+_xxh3_one = xxhash.xxh3_64_intdigest
+_ZERO4 = b"\x00" * 4
+
 MAGIC = b"CPGRL3\x00\x01"
 VERSION = 2
 HEADER = struct.Struct("<8sIIQQ32s")  # magic, version, header crc, length, object checksum, key
 HEADER_BYTES = 64
 assert HEADER.size == HEADER_BYTES
+# CRC-32 state after a well-formed header's first 16 bytes with its CRC field as zero (magic and version are
+# fixed): a read then runs one crc32 over the header's last 48 bytes, without building a zeroed copy.
+_CRC_AFTER_PREFIX = zlib.crc32(_ZERO4, zlib.crc32(MAGIC + struct.pack("<I", VERSION)))
 
 
 def views(parts) -> list[memoryview]:
-    """Byte views of an object's parts (contiguous 1-D uint8 host tensors), without a copy."""
-    return [memoryview(t.numpy()).cast("B") for t in parts]
+    """Byte views of an object's parts (contiguous 1-D uint8 host tensors or byte memoryviews), without a copy."""
+    return [t if type(t) is memoryview else memoryview(t.numpy()).cast("B") for t in parts]
 
 
 def checksum(byte_views) -> int:
     """XXH3-64 over the concatenation of ``byte_views`` (module docstring: why not CRC-32)."""
+    if len(byte_views) == 1:
+        return _xxh3_one(byte_views[0])
     h = xxhash.xxh3_64()
     for v in byte_views:
         h.update(v)
@@ -74,19 +82,19 @@ def encode_header(key_raw: bytes, length: int, object_checksum: int) -> bytes:
     return bytes(head)
 
 
-def decode_header(raw: bytes) -> tuple[int, int, bytes] | None:
-    """``(object checksum, length, key)`` of a well-formed header, else ``None``."""
+def decode_header(raw) -> tuple[int, int, bytes] | None:
+    """``(object checksum, length, key)`` of a well-formed header (64 bytes: bytes or a byte view), else ``None``."""
     if len(raw) != HEADER_BYTES:
         return None
     magic, version, head_crc, length, object_checksum, key = HEADER.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         return None
-    if head_crc != zlib.crc32(bytes(raw[:12]) + b"\x00" * 4 + bytes(raw[16:])):
+    if head_crc != zlib.crc32(raw[16:], _CRC_AFTER_PREFIX):  # bytes 0-11 are MAGIC and VERSION here
         return None
     return object_checksum, length, key
 
 
-def check_header(raw: bytes, key_raw: bytes, size: int) -> tuple[int | None, str | None]:
+def check_header(raw, key_raw: bytes, size: int) -> tuple[int | None, str | None]:
     """``(checksum the bytes must have, None)`` when ``raw`` is a header for this key and size, else ``(None, why)``."""
     head = decode_header(raw)
     if head is None:
