@@ -66,6 +66,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -77,6 +78,7 @@ from cpgraph.plan import plan_prefill
 
 from .cache_engine import CacheEngine, PrefixMatch
 from .engine import forward_batch
+from .graph_runner import graph_counts
 from .radix import TokenKey, check_consistent
 from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
                        RequestHandle, RequestResult, _Stats, engine_request)
@@ -84,6 +86,8 @@ from .sampling import Sampling, choose_first_token
 from .scheduler import Scheduler, SchedulerConfig, chunk_owners, chunk_spans, lane_pages, shared_prefix
 
 log = logging.getLogger(__name__)
+
+STEP_LOG = 4096  # steps kept in PrefillEngine.step_log
 
 
 class _Live:
@@ -157,6 +161,9 @@ class PrefillEngine:
         self._prefetches: dict = {}
         self._stopped = False
         self.stats = self._new_stats()
+        # Seconds the engine thread sleeps after answering requests in a step, before the step's radix
+        # bookkeeping: it hands the GIL to the threads waiting on those answers (0: do not yield).
+        self.yield_after_results = 5e-5
 
     # ---------------------------------------------------------------- public API
     @property
@@ -266,7 +273,7 @@ class PrefillEngine:
             "prompt_tokens": s.prompt_tokens, "cached_tokens": dict(s.cached_tokens),
             "computed_tokens": s.computed_tokens, "steps": dict(s.steps), "outcomes": dict(s.outcomes),
             "transfer_bytes": s.transfer_bytes, "transfer_failures": s.transfer_failures,
-            "step_tokens": s.last_step_tokens,
+            "step_tokens": s.last_step_tokens, "cold_steps": self.cold_steps,
         }
 
     # --------------------------------------------------------------------- steps
@@ -368,6 +375,8 @@ class PrefillEngine:
 
     # ----------------------------------------------------------------- internals
     def _new_stats(self) -> _Stats:
+        self.cold_steps = 0  # steps whose forward compiled a graph or prepared (captured) a new bucket
+        self.step_log: deque = deque(maxlen=STEP_LOG)  # (forward s, tokens, chunks, cold) of the latest steps
         stats = _Stats()
         if self.cache.l3 is not None:  # the L3 tier is reported (also at 0) only where there is one
             stats.cached_tokens["l3"] = 0
@@ -559,7 +568,8 @@ class PrefillEngine:
                     h.wait_layer(layer)
 
             t0 = time.perf_counter()
-            replays0 = _graph_replays(self.cache.forward)
+            replays0, prepared0 = graph_counts(self.cache.forward)
+            compiles0 = _compiles()
             with layer_hooks(on_ready=wait_for_layer if loads else None):
                 out, _ = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
                                                                   zip(lives, chunks)],
@@ -579,11 +589,20 @@ class PrefillEngine:
             for h in live.match.loads:
                 h.wait_all()
             live.match.loads = []
-        graph = _graph_replays(self.cache.forward) > replays0
-        self.stats.steps["graph" if graph else "eager"] += 1
-        self.stats.last_step_tokens = sum(e - s for _, s, e in chunks)
+        replays1, prepared1 = graph_counts(self.cache.forward)
+        cold = prepared1 > prepared0 or _compiles() > compiles0
+        self.stats.steps["graph" if replays1 > replays0 else "eager"] += 1
+        self.stats.last_step_tokens = tokens = sum(e - s for _, s, e in chunks)
         self.stats.step_seconds += forward_s
-        finished = []
+        self.cold_steps += cold
+        self.step_log.append((forward_s, tokens, len(chunks), cold))
+        finished, done = [], []
+        rows = None
+        if self.is_leader:  # the rows whose first token is chosen now: one device-to-host copy for all of them
+            want = [j for j, (live, (_, _, e)) in enumerate(zip(lives, chunks))
+                    if e == len(live.tokens) and live.handle is not None]
+            if want:
+                rows = dict(zip(want, logits[want].float().cpu()))
         for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
             live.next_chunk, live.chunks = live.next_chunk + 1, live.chunks + 1
             last = e == len(live.tokens)
@@ -591,15 +610,22 @@ class PrefillEngine:
             choice = None
             if last and self.is_leader and live.handle is not None:
                 req = live.handle.request
-                choice = choose_first_token(logits[j], req.sampling, req.top_logprobs)
+                choice = choose_first_token(rows[j], req.sampling, req.top_logprobs)
             if live.room is not None and self.transfer is not None:
                 self._send(live, tables[j][0], s, e, last, choice)
             if last:
-                self._commit(live)
+                if live.room is not None and self.transfer is not None:
+                    self.transfer.finish(live.room)  # every page is sent: the decode may start
+                done.append(live)
                 if self.is_leader and live.handle is not None:
                     finished.append(self._close(live, FINISHED, choice))
-                else:
-                    del self._live[live.id]
+        # The answers go out before the radix bookkeeping: a request submitted after its answer is admitted
+        # at the next step, after these commits, so it still finds the prompt's pages in the cache.
+        if finished and self.yield_after_results:
+            time.sleep(self.yield_after_results)  # let the threads waiting on these results run now
+        for live in done:
+            self._commit(live)
+            self._live.pop(live.id, None)
         check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
 
@@ -626,8 +652,6 @@ class PrefillEngine:
         cache.backup_inserted([last_node])  # write_through: L2 copies of the whole path, then L3
         cache.release(live.match)
         live.reserve = None
-        if live.room is not None and self.transfer is not None:
-            self.transfer.finish(live.room)
 
     def _fail(self, live: _Live, exc: Exception) -> RequestHandle | None:
         self._release(live)
@@ -695,10 +719,14 @@ def token_ids(tokens, vocab: int) -> tuple[np.ndarray | None, object]:
 
 def _graph_replays(forward) -> int:
     """Replays of captured CUDA graphs so far, for a ``graphed_forward`` (0 for any other forward)."""
-    runners = getattr(forward, "runners", None)
-    if not runners:
-        return 0
-    return sum(r["replays"] for runner in runners.values() for r in runner.capture_report() if r["captured"])
+    return graph_counts(forward)[0]
+
+
+def _compiles() -> int:
+    """Graphs TorchDynamo compiled so far in this process (a dict read: cheap enough for every step)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 __all__ = ["EngineRequest", "PrefillEngine", "RequestHandle", "RequestResult", "Sampling", "SchedulerConfig",
