@@ -131,8 +131,9 @@ def warm_up(engine, tokens: int, prefix_tokens: int | None = None) -> None:
     token budget can form, captured -- before ``/health`` turns 200; then an empty cache and fresh counters.
 
     Why more than one request: a compiled forward specialises on sizes 0 and 1 (one request or several, no
-    cached prefix or some, a one-token extend), so each of those classes compiles a graph of its own the
-    first time a step has it.  The warm-up runs each once (a few short requests).  A ``graphed_forward``
+    cached prefix or some, a one-token extend) and on sizes that happened to be equal, so each of those
+    classes compiles a graph of its own the first time a step has it.  The warm-up runs each once (a few
+    short requests, sizes chosen not to coincide).  A ``graphed_forward``
     then prepares every bucket of :meth:`GraphRunner.reachable_buckets` for the scheduler's token budget
     and ``prefix_tokens`` cached-prefix rows per step (default: the budget) on padding rows, which touch
     no cache state.  ``engine.cold_steps`` (``cpgraph_cold_steps_total``) counts the steps that still
@@ -144,7 +145,7 @@ def warm_up(engine, tokens: int, prefix_tokens: int | None = None) -> None:
 
     g = torch.Generator().manual_seed(0)
     ps, cfg = engine.page_size, engine.scheduler.config
-    n = min(tokens, engine.max_prompt_tokens, cfg.token_budget)
+    n = min(tokens, engine.max_prompt_tokens)
 
     def rand(k: int) -> list[int]:
         return torch.randint(0, engine.vocab, (k,), generator=g).tolist()
@@ -157,18 +158,20 @@ def warm_up(engine, tokens: int, prefix_tokens: int | None = None) -> None:
                 raise RuntimeError(f"warm-up request {h.result.status}: {h.result.error}")
 
     t0 = time.perf_counter()
-    run(rand(n))  # one request, no cached prefix
+    # Each class once, with sizes that do not coincide (rows M, KV-view rows N, prefix rows P, requests B):
+    # a compiled forward also guards on sizes that were equal when it was traced.
+    if n >= 2:
+        run(rand(n if n % ps else n - 1))  # one request, no cached prefix (N, whole pages, differs from M)
     run(rand(1))  # a one-token step
-    two = min(n, cfg.token_budget // 2)
-    if cfg.max_batch_requests >= 2 and two >= 1:
-        run(rand(two), rand(two))  # several requests
-    fits = engine.max_prompt_tokens >= 2 * ps + 1 and cfg.token_budget >= ps + 1
-    if fits:
+    if cfg.max_batch_requests >= 2 and cfg.token_budget >= 8:
+        run(rand(3), rand(5))  # several requests (B 2, M 8, N 2 pages)
+    if engine.max_prompt_tokens >= 3 * ps and cfg.token_budget >= ps + 3:
         base = rand(2 * ps)
         run(base + rand(1))  # its two pages go to the cache
         run(base + rand(1))  # a cached prefix and a one-token extend
-        if cfg.max_batch_requests >= 2 and cfg.token_budget >= 2 * ps:
-            run(base + rand(ps), base + rand(ps // 2 + 1))  # several requests over a cached prefix
+        run(base + rand(ps + 3))  # a cached prefix and a longer extend (as every chunk after a first)
+        if cfg.max_batch_requests >= 2:
+            run(base + rand(5), base + rand(7))  # several requests over a cached prefix (P 4 pages, M 12)
     runners = getattr(engine.cache.forward, "runners", None) or {}
     prepared = 0
     for runner in runners.values():
