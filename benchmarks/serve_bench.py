@@ -94,7 +94,8 @@ def build_server(args):
     model.kv_layout = make_layout(model, "bf16", args.page)
     spec = ServeSpec(model="bench", backend=args.backend, page_size=args.page, num_pages=args.num_pages,
                      token_budget=args.token_budget, max_batch_requests=args.max_batch_requests,
-                     max_queue=max(1024, 2 * args.requests), cuda_graphs=args.cuda_graphs, request_timeout=None)
+                     max_queue=max(1024, 2 * args.requests), cuda_graphs=args.cuda_graphs, request_timeout=None,
+                     derive_kv_bucket=not args.own_kv_buckets)
     engine = build_engine(model, make_forward(model, spec), spec)
     from dataclasses import replace
 
@@ -179,6 +180,54 @@ class LeanClient:
         self.sock.close()
 
 
+def lean_client_main(url: str, echo: str) -> None:
+    """``--lean-client``: the lean client in a process of its own (a remote client does not share the server's
+    GIL).  Reads prompts (JSON list) from stdin; per prompt, after an idle pause: one completion, the same body to
+    the bare server at once, and again around a wait as long as the engine's time; prints the times as JSON."""
+    prompts = json.loads(sys.stdin.read())
+    server, bare, out = LeanClient(url), LeanClient(echo), []
+    for p in prompts:
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        status, body = server.post("/v1/completions", {"prompt": p, "max_tokens": 1})
+        dt = time.perf_counter() - t0
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {body}")
+        pre = body["choices"][0]["prefill"]
+        engine_s = pre["timings_ms"]["total"] / 1e3
+        t0 = time.perf_counter()
+        bare.post("/echo", {"prompt": p, "max_tokens": 1})
+        floor = time.perf_counter() - t0
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        bare.post("/echo", {"prompt": p, "max_tokens": 1, "wait_s": engine_s})
+        out.append({"total": dt, "engine": engine_s, "chunks": pre["chunks"], "floor": floor,
+                    "handoff_floor": time.perf_counter() - t0 - engine_s})
+    server.close()
+    bare.close()
+    print(json.dumps(out))
+
+
+def _remote_lean(server, echo: str, prompts) -> list[dict]:
+    """Run :func:`lean_client_main` in a subprocess; each request's forward from the engine's step log (at idle a
+    step holds one request: request k's steps are the next ``chunks`` entries)."""
+    import subprocess
+
+    eng = server.engine
+    eng.step_log.clear()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--lean-client", server.url, echo],
+                          input=json.dumps(prompts), capture_output=True, text=True, check=False,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if proc.returncode:
+        raise RuntimeError(f"the lean client process failed:\n{proc.stderr[-4000:]}")
+    rows, steps = json.loads(proc.stdout), list(eng.step_log)
+    k = 0
+    for r in rows:
+        r["forward"] = sum(f for f, _, _, _ in steps[k:k + r["chunks"]])
+        k += r["chunks"]
+    return rows
+
+
 def start_echo_server() -> str:
     """A bare aiohttp app on a loop thread of its own, as the server's: its round trip is the HTTP floor.
 
@@ -235,7 +284,8 @@ def idle_overhead(server, trace, n: int) -> dict:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, eng.vocab, len(trace[i % len(trace)])).tolist() for i in range(3 * n)]
     keys = ("direct_sched", "aiohttp_http", "aiohttp_sched", "aiohttp_total", "lean_http", "lean_sched", "lean_total",
-            "forward", "aiohttp_floor", "lean_floor", "aiohttp_handoff_floor", "lean_handoff_floor")
+            "forward", "aiohttp_floor", "lean_floor", "aiohttp_handoff_floor", "lean_handoff_floor", "remote_total",
+            "remote_http", "remote_sched", "remote_floor", "remote_handoff_floor")
     v = {k: [] for k in keys}
     echo = start_echo_server()
     # Each prompt length once first (compiles, CUDA-graph captures of its buckets), then an empty
@@ -295,11 +345,17 @@ def idle_overhead(server, trace, n: int) -> dict:
     finally:
         lean.close()
         lean_echo.close()
+    for r in _remote_lean(server, echo, [prompts[3 * i + 2] for i in range(n)]):
+        v["remote_total"].append(r["total"])
+        v["remote_http"].append(r["total"] - r["engine"])
+        v["remote_sched"].append(r["engine"] - r["forward"])
+        v["remote_floor"].append(r["floor"])
+        v["remote_handoff_floor"].append(r["handoff_floor"])
     med = lambda x: 1e3 * statistics.median(x)  # noqa: E731
     out = {"requests": n, "prompt_tokens": [len(prompts[3 * i + 1]) for i in range(n)],
            "forward_ms": [1e3 * f for f in v["forward"]], "forward_ms_p50": med(v["forward"]),
            "direct_scheduling_overhead_ms_p50": med(v["direct_sched"])}
-    for kind in ("aiohttp", "lean"):
+    for kind in ("aiohttp", "lean", "remote"):
         http, sched = v[f"{kind}_http"], v[f"{kind}_sched"]
         out[kind] = {"http_overhead_ms_p50": med(http), "scheduling_overhead_ms_p50": med(sched),
                      "server_overhead_ms_p50": med([a + b for a, b in zip(http, sched)]),
@@ -519,6 +575,9 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=20, help="requests of the idle-overhead phase")
     ap.add_argument("--concurrency", type=int, default=None,
                     help="clients of the closed-loop saturation phase (default: twice the requests of a full step)")
+    ap.add_argument("--own-kv-buckets", action="store_true",
+                    help="--cuda-graphs: KV-view rows bucketed on their own (less padding, several buckets per row "
+                         "and prefix bucket: many more to warm) instead of derived from the row and prefix buckets")
     ap.add_argument("--warm-prefix-tokens", type=int, default=-1,
                     help="--cuda-graphs: warm-up prepares every bucket up to this many cached-prefix rows per step "
                          "(default -1: the token budget)")
@@ -531,6 +590,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the figures as JSON")
+    ap.add_argument("--idle-only", action="store_true", help="the warm-up and the idle-overhead phase only")
+    ap.add_argument("--lean-client", nargs=2, metavar=("URL", "ECHO_URL"), help=argparse.SUPPRESS)
+    if "--lean-client" in sys.argv:  # the idle phase's out-of-process client (no model, no server)
+        a = ap.parse_args()
+        lean_client_main(*a.lean_client)
+        return
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -547,7 +612,8 @@ def main() -> None:
         report["warmup_s"] = server.warmup_s
         print(f"warm-up (node.warm_up, before /health is 200): {server.warmup_s:.1f} s", flush=True)
         report["idle"] = idle = idle_overhead(server, trace, args.idle)
-        for kind, what in (("aiohttp", "aiohttp client"), ("lean", "lean keep-alive socket client")):
+        for kind, what in (("aiohttp", "aiohttp client"), ("lean", "lean keep-alive socket client"),
+                           ("remote", "lean client in a process of its own")):
             k = idle[kind]
             print(f"idle, {what}: forward {idle['forward_ms_p50']:.2f} ms; overhead per request: HTTP "
                   f"{k['http_overhead_ms_p50']:.3f} ms + scheduling {k['scheduling_overhead_ms_p50']:.3f} ms = "
@@ -558,6 +624,8 @@ def main() -> None:
                   f"unloaded TTFT p50 {k['unloaded_ttft_ms_p50']:.1f} ms p99 {k['unloaded_ttft_ms_p99']:.1f} ms",
                   flush=True)
         print(f"idle, direct engine calls: scheduling {idle['direct_scheduling_overhead_ms_p50']:.3f} ms", flush=True)
+        if args.idle_only:
+            return
         print(f"[{_load()}]", flush=True)
         # A pass of the whole trace first (not reported): every shape the load phases form has been seen once.
         warm = load(server, trace, None, args.seed)
@@ -600,8 +668,8 @@ def main() -> None:
               f"ideal FIFO server {qm['ideal_fifo_p99_over_unloaded_p50']:.2f}; this scheduler: {per_budget}")
     finally:
         server.stop()
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ class ServeSpec:
     warmup_tokens: int = 64
     warmup_prefix_tokens: int | None = None  # --cuda-graphs: warm buckets up to this many cached-prefix rows (None:
     # the token budget); a step past it captures its bucket under load (counted in cpgraph_cold_steps_total)
+    derive_kv_bucket: bool = True  # --cuda-graphs: the KV-view bucket follows from the row and prefix buckets
     timeout: float = 600.0  # seconds a CP collective may wait
     log_level: int | None = None
     deterministic: bool = False  # row-invariant products, eager or compiled (docs/deterministic.md)
@@ -112,7 +113,8 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
         if spec.token_budget > DEFAULT_MAX_ROWS:
             raise ValueError(f"--token-budget {spec.token_budget} exceeds the largest row bucket {DEFAULT_MAX_ROWS}")
         # The KV-view bucket follows from the row and prefix buckets: few enough buckets to warm them all.
-        forward = graphed_forward(forward, max_requests=spec.max_batch_requests, page_size=spec.page_size)
+        forward = graphed_forward(forward, max_requests=spec.max_batch_requests,
+                                  page_size=spec.page_size if spec.derive_kv_bucket else None)
     engine = PrefillEngine(forward, model, num_pages=spec.num_pages, page_size=spec.page_size,
                            kv_format=spec.kv_format, rank=rank, cp_size=spec.cp, host_pages=spec.host_pages,
                            group=group, control_group=control_group, src=src, scheduler=sched,

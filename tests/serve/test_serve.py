@@ -207,7 +207,8 @@ def test_other_endpoints(server):
                          ("cpgraph_cached_tokens_total", 'tier="host"'),
                          ("cpgraph_steps_total", 'kind="graph"'), ("cpgraph_steps_total", 'kind="eager"'),
                          ("cpgraph_transfer_bytes_total", ""), ("cpgraph_transfer_failures_total", ""),
-                         ("cpgraph_prompt_tokens_total", ""), ("cpgraph_ttft_seconds_count", "")]:
+                         ("cpgraph_prompt_tokens_total", ""), ("cpgraph_ttft_seconds_count", ""),
+                         ("cpgraph_cold_steps_total", "")]:
         metric(page, name, labels)
     assert metric(page, "cpgraph_ttft_seconds_count") >= 1
     assert metric(page, "cpgraph_steps_total", 'kind="graph"') == 0  # CPU: nothing is captured
