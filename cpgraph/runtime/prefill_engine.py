@@ -154,6 +154,7 @@ class PrefillEngine:
         self.max_prompt_tokens = max_prompt_tokens or self._pool_token_limit()
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
+        self._step_lock = threading.RLock()
         self._inbox: list[_Live] = []
         self._cancels: list[tuple[int, str]] = []
         self._live: dict[int, _Live] = {}
@@ -281,6 +282,10 @@ class PrefillEngine:
         """One scheduling step on the leader (any rank when ``cp_size == 1``); returns the handles it finished."""
         if not self.is_leader:
             raise RuntimeError("PrefillEngine.step runs on the leader (rank 0); other ranks call follow()")
+        with self._step_lock:  # a reset_cache from another thread waits for the step (its commits come after answers)
+            return self._step()
+
+    def _step(self) -> list[RequestHandle]:
         finished: list[RequestHandle] = []
         with self._lock:
             new, self._inbox = self._inbox, []
@@ -350,12 +355,23 @@ class PrefillEngine:
         for live in new + list(self._live.values()):
             self._close(live, FAILED, error=error)
 
+    def sync(self) -> None:
+        """Wait for the step in progress, if any (any thread).  A step answers its finished requests before it
+        commits their pages to the radix cache, so a reader of the cache or the pool (tests, a debugger) calls
+        this after an answer to see the state that the next step starts from."""
+        with self._step_lock:
+            pass
+
     def reset_cache(self) -> None:
-        """Leader, idle: empty the radix cache (L1 and L2) on every rank and zero the counters (after a warm-up)."""
-        if self.cp_size > 1:
-            self._broadcast([("evict",)])
-        self._apply(("evict",))
-        self.stats = self._new_stats()
+        """Leader, idle: empty the radix cache (L1 and L2) on every rank and zero the counters (after a warm-up).
+
+        From another thread than the one stepping: it waits for the step in progress, which may still be
+        committing the pages of requests it has already answered."""
+        with self._step_lock:
+            if self.cp_size > 1:
+                self._broadcast([("evict",)])
+            self._apply(("evict",))
+            self.stats = self._new_stats()
 
     def close(self) -> None:
         """Every rank, after the last step (leader: after :meth:`stop_followers`; followers: after

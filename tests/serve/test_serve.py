@@ -98,6 +98,7 @@ def _check_against(choice, ref_logits):
 
 def _ledger(server):
     eng = server.engine
+    eng.sync()  # an answer can precede its step's commit: read the state the next step starts from
     return eng.cache.device.ledger.used.copy(), eng.cache.pool.num_free, eng.cache.tree.device_pages_total
 
 
