@@ -158,6 +158,7 @@ class PrefillEngine:
         self._inbox: list[_Live] = []
         self._cancels: list[tuple[int, str]] = []
         self._live: dict[int, _Live] = {}
+        self._next_deadline = float("inf")  # no request's deadline comes before this (leader)
         # L3 prefetches of queued requests by id, on every rank (started, then finished, by L3-phase ops).
         self._prefetches: dict = {}
         self._stopped = False
@@ -293,18 +294,29 @@ class PrefillEngine:
         for live in new:
             self._live[live.id] = live
             self.scheduler.enqueue(live)
+            if live.deadline is not None and live.deadline < self._next_deadline:
+                self._next_deadline = live.deadline
         ops: list[tuple] = []
         now = self.clock()
+        doomed = False  # a request to close in this step (every one marked is closed below, in the same step)
         for rid, reason in cancels:
             live = self._live.get(rid)
             if live is not None and live.cancel_reason is None:
                 live.cancel_reason = reason
-        for live in self._live.values():
-            if live.cancel_reason is None and live.deadline is not None and now >= live.deadline:
-                live.cancel_reason = TIMEOUT
+                doomed = True
+        if now >= self._next_deadline:  # the scan over every request only when one may have timed out
+            nxt = float("inf")
+            for live in self._live.values():
+                if live.cancel_reason is None and live.deadline is not None:
+                    if now >= live.deadline:
+                        live.cancel_reason = TIMEOUT
+                        doomed = True
+                    elif live.deadline < nxt:
+                        nxt = live.deadline
+            self._next_deadline = nxt
         if self.cache.l3 is not None:
             self._l3_phase()
-        for live in list(self._live.values()):
+        for live in list(self._live.values()) if doomed else ():
             if live.cancel_reason is not None:
                 if live.match is None:  # still waiting: other ranks know it only by its prefetch, if any
                     self.scheduler.remove(live)
@@ -429,7 +441,7 @@ class PrefillEngine:
         ops = [("l3_done", rid) for rid, pf in self._prefetches.items() if pf.fetching]
         idle = not self.scheduler.running
         started: list[_Live] = []
-        for live in list(self.scheduler.waiting)[: self.scheduler.config.max_batch_requests]:
+        for live in list(itertools.islice(self.scheduler.waiting, self.scheduler.config.max_batch_requests)):
             if live.l3_checked or live.cancel_reason is not None:
                 continue
             if not idle and any(shared_prefix(live.tokens_np, o.tokens_np) >= self.page_size for o in started):
