@@ -163,9 +163,11 @@ class PrefillEngine:
         self._prefetches: dict = {}
         self._stopped = False
         self.stats = self._new_stats()
-        # Seconds the engine thread sleeps after answering requests in a step, before the step's radix
-        # bookkeeping: it hands the GIL to the threads waiting on those answers (0: do not yield).
-        self.yield_after_results = 5e-5
+        # One device: the radix commits of a step's answered requests wait for the next step (or for
+        # ``commit_delay`` seconds of idle in wait_for_work), so the threads waiting on the answers run first
+        # (the engine thread blocks instead of holding the GIL).  Under CP every rank commits in its step.
+        self.commit_delay = 1e-3
+        self._pending: list[_Live] = []  # answered, pages not yet committed (leader, cp_size == 1)
 
     # ---------------------------------------------------------------- public API
     @property
@@ -238,14 +240,17 @@ class PrefillEngine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._cancels or len(self.scheduler))
+            return bool(self._inbox or self._cancels or len(self.scheduler) or self._pending)
 
     def wait_for_work(self, timeout: float) -> bool:
-        """Block until something is queued (or ``timeout`` seconds pass); True if there is work."""
+        """Block until something is queued (or ``timeout`` seconds pass); True if there is work.
+
+        Commits left by the last step are work too, but they first wait up to ``commit_delay`` seconds
+        for a request: the threads that got the step's answers run meanwhile."""
         with self._lock:
             if not (self._inbox or self._cancels or len(self.scheduler)):
-                self._lock.wait(timeout)
-            return bool(self._inbox or self._cancels or len(self.scheduler))
+                self._lock.wait(min(timeout, self.commit_delay) if self._pending else timeout)
+            return bool(self._inbox or self._cancels or len(self.scheduler) or self._pending)
 
     def wake(self) -> None:
         """Wake a thread blocked in :meth:`wait_for_work` (e.g. to let it see a stop flag)."""
@@ -287,6 +292,7 @@ class PrefillEngine:
             return self._step()
 
     def _step(self) -> list[RequestHandle]:
+        self._flush_commits()  # the last step's answered requests: their pages into the cache before any admission
         finished: list[RequestHandle] = []
         with self._lock:
             new, self._inbox = self._inbox, []
@@ -368,11 +374,17 @@ class PrefillEngine:
             self._close(live, FAILED, error=error)
 
     def sync(self) -> None:
-        """Wait for the step in progress, if any (any thread).  A step answers its finished requests before it
-        commits their pages to the radix cache, so a reader of the cache or the pool (tests, a debugger) calls
-        this after an answer to see the state that the next step starts from."""
+        """Commit what the last step answered (any thread; waits for the step in progress).  A step answers its
+        finished requests before their pages go into the radix cache (at the next step, or after
+        ``commit_delay`` of idle), so a reader of the cache or the pool (tests, a debugger) calls this after an
+        answer to see the state that the next step starts from."""
         with self._step_lock:
-            pass
+            self._flush_commits()
+
+    def _flush_commits(self) -> None:
+        pending, self._pending = self._pending, []
+        for live in pending:
+            self._commit(live)
 
     def reset_cache(self) -> None:
         """Leader, idle: empty the radix cache (L1 and L2) on every rank and zero the counters (after a warm-up).
@@ -380,6 +392,7 @@ class PrefillEngine:
         From another thread than the one stepping: it waits for the step in progress, which may still be
         committing the pages of requests it has already answered."""
         with self._step_lock:
+            self._flush_commits()
             if self.cp_size > 1:
                 self._broadcast([("evict",)])
             self._apply(("evict",))
@@ -390,6 +403,8 @@ class PrefillEngine:
         :meth:`follow` returns): give back the L3 prefetches of requests never admitted, store what L3
         lacks, then release the store.  Idempotent; rank-local (no collectives), and every rank reaches
         it after the same op sequence, so their trees and ledgers agree."""
+        with self._step_lock:
+            self._flush_commits()
         for pf in self._prefetches.values():
             self.cache.drop_prefetch(pf)
         self._prefetches.clear()
@@ -647,13 +662,16 @@ class PrefillEngine:
                 done.append(live)
                 if self.is_leader and live.handle is not None:
                     finished.append(self._close(live, FINISHED, choice))
-        # The answers go out before the radix bookkeeping: a request submitted after its answer is admitted
-        # at the next step, after these commits, so it still finds the prompt's pages in the cache.
-        if finished and self.yield_after_results:
-            time.sleep(self.yield_after_results)  # let the threads waiting on these results run now
+        # The answers go out before the radix bookkeeping.  One device: it waits for the next step (which
+        # commits before it admits anything, so a request sent after an answer still finds the prompt's
+        # pages); the engine thread blocks meanwhile and the threads waiting on the answers run.
         for live in done:
-            self._commit(live)
             self._live.pop(live.id, None)
+        if self.cp_size == 1 and self.is_leader and self.commit_delay > 0:
+            self._pending += done
+        else:
+            for live in done:
+                self._commit(live)
         check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
 
