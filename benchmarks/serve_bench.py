@@ -368,9 +368,8 @@ def idle_overhead(server, trace, n: int) -> dict:
                      "unloaded_ttft_ms_p99": 1e3 * _pct(v[f"{kind}_total"], 99)}
     # The headline figures: aiohttp client (what the rate phases use), as before.
     a = out["aiohttp"]
-    out.update(http_overhead_ms_p50=a["http_overhead_ms_p50"], scheduling_overhead_ms_p50=a["scheduling_overhead_ms_p50"],
-               server_overhead_ms_p50=a["server_overhead_ms_p50"], http_floor_ms_p50=a["http_floor_ms_p50"],
-               unloaded_ttft_ms_p50=a["unloaded_ttft_ms_p50"], unloaded_ttft_ms_p99=a["unloaded_ttft_ms_p99"])
+    out.update({k: a[k] for k in ("http_overhead_ms_p50", "scheduling_overhead_ms_p50", "server_overhead_ms_p50",
+                                  "http_floor_ms_p50", "unloaded_ttft_ms_p50", "unloaded_ttft_ms_p99")})
     return out
 
 
@@ -577,7 +576,8 @@ def main() -> None:
                     help="clients of the closed-loop saturation phase (default: twice the requests of a full step)")
     ap.add_argument("--own-kv-buckets", action="store_true",
                     help="--cuda-graphs: KV-view rows bucketed on their own (less padding, several buckets per row "
-                         "and prefix bucket: many more to warm) instead of derived from the row and prefix buckets")
+                         "and prefix bucket: many more to warm, so pair it with a small --warm-prefix-tokens) "
+                         "instead of derived from the row and prefix buckets")
     ap.add_argument("--warm-prefix-tokens", type=int, default=-1,
                     help="--cuda-graphs: warm-up prepares every bucket up to this many cached-prefix rows per step "
                          "(default -1: the token budget)")
