@@ -6,19 +6,28 @@ prompts (default 8, lengths uniform in ``--system-len``, default 1K-4K tokens) f
 Token ids are random (the bundled and kernel-shaped models have no tokenizer).
 
 The server runs in this process (:class:`cpgraph.serve.app.PrefillServer`, its engine thread and
-aiohttp loop), the client is aiohttp in the main thread.  Phases, each starting from an empty cache:
+aiohttp loop), warmed up as ``cpgraph serve`` is (:func:`cpgraph.serve.node.warm_up`: every compile
+class, and with ``--cuda-graphs`` every bucket of the token budget); the load client is aiohttp in the
+main thread.  Phases, each starting from an empty cache:
 
-1. **idle overhead**: ``--idle`` pairs of requests one at a time: a direct ``PrefillEngine.submit``
-   + ``handle.wait`` from this thread, then a ``POST /v1/completions``; each is timed against its
-   own forward (``stats.step_seconds``) and the HTTP one also against the engine's own
-   submit-to-result time: medians of HTTP overhead (client time - engine time), scheduling overhead
-   (engine time - forward) and their sum, per request; and the unloaded TTFT (p50/p99 of the HTTP
-   times; prompts of the trace's lengths, no cache hit);
-2. **saturation**: all ``--requests`` at once (closed burst): requests/s and computed tokens/s;
+1. **idle overhead**: ``--idle`` rounds, one request at a time: a direct ``PrefillEngine.submit``
+   + ``handle.wait`` from this thread, a ``POST /v1/completions`` through the aiohttp client and one
+   through a lean keep-alive socket client (:class:`LeanClient`); each is timed against its own
+   forward (``stats.step_seconds``) and the HTTP ones also against the engine's own submit-to-result
+   time: medians of HTTP overhead (client time - engine time), scheduling overhead (engine time -
+   forward) and their sum, per request and per client, next to each client's floor (the same body
+   posted to a bare aiohttp server); and the unloaded TTFT (p50/p99 of the HTTP times; prompts of the
+   trace's lengths, no cache hit);
+2. **saturation**: a pass of the trace that is not reported (every shape the load forms seen once),
+   then the trace all at once (burst) and closed-loop (``--concurrency`` clients, each sending its
+   next request when answered): requests/s and computed tokens/s; the closed-loop rate is the
+   saturation the rates below are fractions of;
 3. **rates**: Poisson arrivals at ``--rates`` (fractions of the saturation rate, default 0.25 0.5
-   0.8 1.0 1.2): TTFT p50/p99 (arrival -> response, client side), throughput, cache-hit ratio
-   (cached / prompt tokens from the responses), graph-replay share (steps that replayed a captured
-   CUDA graph, from ``/metrics``).
+   0.8 1.0 1.2): TTFT p50/p99/max (arrival -> response, client side), offered vs served requests/s
+   and how long the server drained after the last arrival (a server that falls behind shows here),
+   throughput, cache-hit ratio (cached / prompt tokens from the responses), forward time per step
+   (p99 and max) and cold steps (compiled or captured under load; 0 after a complete warm-up),
+   graph-replay share (steps that replayed a captured CUDA graph, from ``/metrics``).
 
 4. **queueing model** (~a second, plus 12 direct forwards): the step time is fitted as
    ``a + b * tokens`` from the fastest of three direct forwards at each of four prompt lengths (a busy
@@ -85,14 +94,21 @@ def build_server(args):
     model.kv_layout = make_layout(model, "bf16", args.page)
     spec = ServeSpec(model="bench", backend=args.backend, page_size=args.page, num_pages=args.num_pages,
                      token_budget=args.token_budget, max_batch_requests=args.max_batch_requests,
-                     max_queue=max(1024, 2 * args.requests), cuda_graphs=args.cuda_graphs, request_timeout=None)
+                     max_queue=max(1024, 2 * args.requests), cuda_graphs=args.cuda_graphs, request_timeout=None,
+                     derive_kv_bucket=not args.own_kv_buckets)
     engine = build_engine(model, make_forward(model, spec), spec)
     from dataclasses import replace
 
     engine.scheduler.config = replace(engine.scheduler.config, defer_shared_tokens=args.defer_tokens)
     assert isinstance(engine.scheduler.config, SchedulerConfig)
-    server = PrefillServer(engine, served=("bench",)).start_background()
-    server.wait_ready()
+    from cpgraph.serve.node import warm_up
+
+    # What `cpgraph serve` runs before /health turns 200: every compile class and (--cuda-graphs) every bucket.
+    prefix = args.warm_prefix_tokens if args.warm_prefix_tokens >= 0 else None
+    t0 = time.perf_counter()
+    server = PrefillServer(engine, served=("bench",), warmup=lambda: warm_up(engine, 64, prefix)).start_background()
+    server.wait_ready(3600)
+    server.warmup_s = time.perf_counter() - t0
     return server
 
 
@@ -124,14 +140,109 @@ async def _metrics(session, url) -> dict:
     return out
 
 
+class LeanClient:
+    """A minimal keep-alive HTTP/1.1 client on one blocking socket: what a round trip costs without a client
+    library (request line, three headers, ``Content-Length`` body; the response's status, headers and body)."""
+
+    def __init__(self, url: str):
+        import socket
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url)
+        self.host, self.port, self.path = u.hostname, u.port, u.path
+        self.sock = socket.create_connection((self.host, self.port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+        self.head = f"Host: {self.host}:{self.port}\r\nContent-Type: application/json\r\n".encode()
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        self.sock.sendall(b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (path.encode(), self.head,
+                                                                                   len(data), data))
+        while b"\r\n\r\n" not in self.buf:
+            self._recv()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        length = next(int(v) for k, _, v in (ln.partition(b":") for ln in lines[1:]) if k.lower() == b"content-length")
+        while len(self.buf) < length:
+            self._recv()
+        out, self.buf = self.buf[:length], self.buf[length:]
+        return status, json.loads(out)
+
+    def _recv(self) -> None:
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self.buf += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def lean_client_main(url: str, echo: str) -> None:
+    """``--lean-client``: the lean client in a process of its own (a remote client does not share the server's
+    GIL).  Reads prompts (JSON list) from stdin; per prompt, after an idle pause: one completion, the same body to
+    the bare server at once, and again around a wait as long as the engine's time; prints the times as JSON."""
+    prompts = json.loads(sys.stdin.read())
+    server, bare, out = LeanClient(url), LeanClient(echo), []
+    for p in prompts:
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        status, body = server.post("/v1/completions", {"prompt": p, "max_tokens": 1})
+        dt = time.perf_counter() - t0
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {body}")
+        pre = body["choices"][0]["prefill"]
+        engine_s = pre["timings_ms"]["total"] / 1e3
+        t0 = time.perf_counter()
+        bare.post("/echo", {"prompt": p, "max_tokens": 1})
+        floor = time.perf_counter() - t0
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        bare.post("/echo", {"prompt": p, "max_tokens": 1, "wait_s": engine_s})
+        out.append({"total": dt, "engine": engine_s, "chunks": pre["chunks"], "floor": floor,
+                    "handoff_floor": time.perf_counter() - t0 - engine_s})
+    server.close()
+    bare.close()
+    print(json.dumps(out))
+
+
+def _remote_lean(server, echo: str, prompts) -> list[dict]:
+    """Run :func:`lean_client_main` in a subprocess; each request's forward from the engine's step log (at idle a
+    step holds one request: request k's steps are the next ``chunks`` entries)."""
+    import subprocess
+
+    eng = server.engine
+    eng.step_log.clear()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--lean-client", server.url, echo],
+                          input=json.dumps(prompts), capture_output=True, text=True, check=False,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if proc.returncode:
+        raise RuntimeError(f"the lean client process failed:\n{proc.stderr[-4000:]}")
+    rows, steps = json.loads(proc.stdout), list(eng.step_log)
+    k = 0
+    for r in rows:
+        r["forward"] = sum(f for f, _, _, _ in steps[k:k + r["chunks"]])
+        k += r["chunks"]
+    return rows
+
+
 def start_echo_server() -> str:
-    """A bare aiohttp app on a loop thread of its own, as the server's: its round trip is the HTTP floor."""
+    """A bare aiohttp app on a loop thread of its own, as the server's: its round trip is the HTTP floor.
+
+    With ``"wait_s"`` in the body the handler first awaits a worker thread that sleeps that long (the
+    server's shape: a future resolved from another thread after the forward), so the round trip minus
+    ``wait_s`` is the floor of the same hand-off, the loop thread's wake-ups after an idle wait included.
+    """
     import threading
 
     from aiohttp import web
 
     async def echo(request):
         body = await request.json()
+        if body.get("wait_s"):
+            await asyncio.get_running_loop().run_in_executor(None, time.sleep, body["wait_s"])
         return web.json_response({"tokens": len(body["prompt"])})
 
     box, ready = {}, threading.Event()
@@ -158,11 +269,12 @@ def idle_overhead(server, trace, n: int) -> dict:
     """Per request at idle, each request timed against its own forward (same run, no pairing noise).
 
     Direct calls: ``submit`` + ``wait`` from this thread minus the forward time of the step(s) that ran
-    it = scheduling + the hand-off to and from the engine thread.  HTTP: the client's time minus the
+    it = scheduling + the hand-off to and from the engine thread.  HTTP, through each client (aiohttp,
+    and :class:`LeanClient`: a keep-alive socket with no client library): the client's time minus the
     engine's own submit-to-result time of the request (its ``timings.total``) = HTTP, JSON and the
-    event loop; plus that engine time minus the forward = scheduling.  The floor: the same body posted
-    to a bare aiohttp handler (its own loop thread, as the server's) -- what the client and server
-    stacks cost before cpgraph does anything.
+    event loop; plus that engine time minus the forward = scheduling.  The floor, per client: the same
+    body posted to a bare aiohttp handler (its own loop thread, as the server's) -- what the client and
+    server stacks cost before cpgraph does anything.
     """
     import aiohttp
 
@@ -170,53 +282,114 @@ def idle_overhead(server, trace, n: int) -> dict:
 
     eng = server.engine
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, eng.vocab, len(trace[i % len(trace)])).tolist() for i in range(2 * n)]
-    direct_sched, http_only, http_sched, http_total, forward, floor = [], [], [], [], [], []
+    prompts = [rng.integers(0, eng.vocab, len(trace[i % len(trace)])).tolist() for i in range(3 * n)]
+    keys = ("direct_sched", "aiohttp_http", "aiohttp_sched", "aiohttp_total", "lean_http", "lean_sched", "lean_total",
+            "forward", "aiohttp_floor", "lean_floor", "aiohttp_handoff_floor", "lean_handoff_floor", "remote_total",
+            "remote_http", "remote_sched", "remote_floor", "remote_handoff_floor")
+    v = {k: [] for k in keys}
     echo = start_echo_server()
     # Each prompt length once first (compiles, CUDA-graph captures of its buckets), then an empty
     # cache: the phase measures the steady state, not the first use of a shape.
     for length in sorted({len(p) for p in prompts}):
         eng.submit(engine_request(rng.integers(0, eng.vocab, length).tolist())).wait()
     eng.reset_cache()
+    lean, lean_echo = LeanClient(server.url), LeanClient(echo)
+
+    def account(kind, dt, body, fwd):
+        engine_s = body["choices"][0]["prefill"]["timings_ms"]["total"] / 1e3
+        v[f"{kind}_total"].append(dt)
+        v[f"{kind}_http"].append(dt - engine_s)
+        v[f"{kind}_sched"].append(engine_s - fwd)
+        v["forward"].append(fwd)
 
     async def run():
         async with aiohttp.ClientSession() as s:
             for i in range(n):  # distinct prompts: every request computes its whole prompt
+                time.sleep(0.002)  # idle: the engine thread has finished the step before (its bookkeeping too)
                 f0 = eng.stats.step_seconds
                 t0 = time.perf_counter()
-                eng.submit(engine_request(prompts[2 * i])).wait()
-                direct_sched.append(time.perf_counter() - t0 - (eng.stats.step_seconds - f0))
+                eng.submit(engine_request(prompts[3 * i])).wait()
+                v["direct_sched"].append(time.perf_counter() - t0 - (eng.stats.step_seconds - f0))
+                time.sleep(0.002)
                 f0 = eng.stats.step_seconds
-                dt, body = await _post(s, server.url, prompts[2 * i + 1])
-                fwd = eng.stats.step_seconds - f0
-                engine_s = body["choices"][0]["prefill"]["timings_ms"]["total"] / 1e3
-                http_total.append(dt)
-                forward.append(fwd)
-                http_only.append(dt - engine_s)
-                http_sched.append(engine_s - fwd)
+                dt, body = await _post(s, server.url, prompts[3 * i + 1])
+                account("aiohttp", dt, body, eng.stats.step_seconds - f0)
+                time.sleep(0.002)
+                f0 = eng.stats.step_seconds
                 t0 = time.perf_counter()
-                async with s.post(echo, json={"prompt": prompts[2 * i + 1], "max_tokens": 1}) as resp:
+                status, body = lean.post("/v1/completions", {"prompt": prompts[3 * i + 2], "max_tokens": 1})
+                dt = time.perf_counter() - t0
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}: {body}")
+                account("lean", dt, body, eng.stats.step_seconds - f0)
+                t0 = time.perf_counter()
+                async with s.post(echo, json={"prompt": prompts[3 * i + 1], "max_tokens": 1}) as resp:
                     await resp.json()
-                floor.append(time.perf_counter() - t0)
+                v["aiohttp_floor"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                lean_echo.post("/echo", {"prompt": prompts[3 * i + 2], "max_tokens": 1})
+                v["lean_floor"].append(time.perf_counter() - t0)
+                wait = v["forward"][-1]  # the same hand-off after an idle wait, around a sleep as long as the forward
+                time.sleep(0.002)
+                t0 = time.perf_counter()
+                async with s.post(echo, json={"prompt": prompts[3 * i + 1], "max_tokens": 1, "wait_s": wait}) as resp:
+                    await resp.json()
+                v["aiohttp_handoff_floor"].append(time.perf_counter() - t0 - wait)
+                time.sleep(0.002)
+                t0 = time.perf_counter()
+                lean_echo.post("/echo", {"prompt": prompts[3 * i + 2], "max_tokens": 1, "wait_s": wait})
+                v["lean_handoff_floor"].append(time.perf_counter() - t0 - wait)
 
-    asyncio.run(run())
-    med = lambda v: 1e3 * statistics.median(v)  # noqa: E731
-    return {"requests": n, "prompt_tokens": [len(prompts[2 * i + 1]) for i in range(n)],
-            "forward_ms": [1e3 * f for f in forward], "forward_ms_p50": med(forward), "direct_scheduling_overhead_ms_p50": med(direct_sched),
-            "http_overhead_ms_p50": med(http_only), "scheduling_overhead_ms_p50": med(http_sched),
-            "http_floor_ms_p50": med(floor),
-            "server_overhead_ms_p50": med([a + b for a, b in zip(http_only, http_sched)]),
-            "unloaded_ttft_ms_p50": 1e3 * _pct(http_total, 50), "unloaded_ttft_ms_p99": 1e3 * _pct(http_total, 99)}
+    try:
+        asyncio.run(run())
+    finally:
+        lean.close()
+        lean_echo.close()
+    for r in _remote_lean(server, echo, [prompts[3 * i + 2] for i in range(n)]):
+        v["remote_total"].append(r["total"])
+        v["remote_http"].append(r["total"] - r["engine"])
+        v["remote_sched"].append(r["engine"] - r["forward"])
+        v["remote_floor"].append(r["floor"])
+        v["remote_handoff_floor"].append(r["handoff_floor"])
+    med = lambda x: 1e3 * statistics.median(x)  # noqa: E731
+    out = {"requests": n, "prompt_tokens": [len(prompts[3 * i + 1]) for i in range(n)],
+           "forward_ms": [1e3 * f for f in v["forward"]], "forward_ms_p50": med(v["forward"]),
+           "direct_scheduling_overhead_ms_p50": med(v["direct_sched"])}
+    for kind in ("aiohttp", "lean", "remote"):
+        http, sched = v[f"{kind}_http"], v[f"{kind}_sched"]
+        out[kind] = {"http_overhead_ms_p50": med(http), "scheduling_overhead_ms_p50": med(sched),
+                     "server_overhead_ms_p50": med([a + b for a, b in zip(http, sched)]),
+                     "http_floor_ms_p50": med(v[f"{kind}_floor"]),
+                     "http_above_floor_ms_p50": med(http) - med(v[f"{kind}_floor"]),
+                     "handoff_floor_ms_p50": med(v[f"{kind}_handoff_floor"]),
+                     "server_above_handoff_floor_ms_p50": med([a + b for a, b in zip(http, sched)])
+                     - med(v[f"{kind}_handoff_floor"]),
+                     "unloaded_ttft_ms_p50": 1e3 * _pct(v[f"{kind}_total"], 50),
+                     "unloaded_ttft_ms_p99": 1e3 * _pct(v[f"{kind}_total"], 99)}
+    # The headline figures: aiohttp client (what the rate phases use), as before.
+    a = out["aiohttp"]
+    out.update({k: a[k] for k in ("http_overhead_ms_p50", "scheduling_overhead_ms_p50", "server_overhead_ms_p50",
+                                  "http_floor_ms_p50", "unloaded_ttft_ms_p50", "unloaded_ttft_ms_p99")})
+    return out
 
 
-def load(server, trace, rate: float | None, seed: int) -> dict:
-    """Send the trace (Poisson at ``rate`` req/s, or all at once when ``rate`` is None); TTFT and throughput."""
+def _steps(eng) -> dict:
+    """The forward time of the steps since the engine's last counter reset: p50 / p99 / max, and cold steps."""
+    fw = [1e3 * f for f, _, _, _ in list(eng.step_log)]
+    return {"steps_total": len(fw), "step_ms_p50": _pct(fw, 50), "step_ms_p99": _pct(fw, 99),
+            "step_ms_max": max(fw) if fw else float("nan"), "cold_steps": eng.cold_steps}
+
+
+def load(server, trace, rate: float | None, seed: int, concurrency: int | None = None) -> dict:
+    """Send the trace: Poisson at ``rate`` req/s (open loop), or closed loop with ``concurrency`` clients
+    each sending its next request when the last one is answered (``rate`` None), or all at once (both
+    None); TTFT, offered and served rates, throughput, step times."""
     import aiohttp
 
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(trace)) if rate is None else rng.exponential(1.0 / rate, len(trace))
     arrivals = np.cumsum(gaps)
-    ttft, bodies = [], []
+    ttft, bodies, done_at = [], [], []
 
     async def one(s, t_arrive, tokens, start):
         await asyncio.sleep(max(0.0, start + t_arrive - time.perf_counter()))
@@ -224,12 +397,25 @@ def load(server, trace, rate: float | None, seed: int) -> dict:
         dt, body = await _post(s, server.url, tokens)
         ttft.append(dt + (t0 - (start + t_arrive)))  # from the scheduled arrival (a late send counts)
         bodies.append(body)
+        done_at.append(time.perf_counter() - start)
+
+    async def worker(s, queue):
+        while queue:
+            tokens = queue.pop()
+            dt, body = await _post(s, server.url, tokens)
+            ttft.append(dt)
+            bodies.append(body)
 
     async def run():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        conn = aiohttp.TCPConnector(limit=0)  # no client-side queue: every request is on the wire at once
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=conn) as s:
             m0 = await _metrics(s, server.url)
             start = time.perf_counter()
-            await asyncio.gather(*(one(s, t, p, start) for t, p in zip(arrivals, trace)))
+            if rate is None and concurrency:
+                queue = list(reversed(trace))
+                await asyncio.gather(*(worker(s, queue) for _ in range(concurrency)))
+            else:
+                await asyncio.gather(*(one(s, t, p, start) for t, p in zip(arrivals, trace)))
             wall = time.perf_counter() - start
             m1 = await _metrics(s, server.url)
         return wall, m0, m1
@@ -239,11 +425,17 @@ def load(server, trace, rate: float | None, seed: int) -> dict:
     prompt = sum(b["usage"]["prompt_tokens"] for b in bodies)
     cached = sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
     steps = {k: m1.get(k, 0) - m0.get(k, 0) for k in ("graph", "eager")}
-    return {"rate_rps": rate, "requests": len(trace), "wall_s": wall, "throughput_rps": len(trace) / wall,
-            "computed_tok_s": (prompt - cached) / wall, "prompt_tok_s": prompt / wall,
-            "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
-            "cache_hit_ratio": cached / max(prompt, 1), "steps": steps,
-            "graph_replay_share": steps["graph"] / max(1, steps["graph"] + steps["eager"])}
+    out = {"rate_rps": rate, "concurrency": concurrency, "requests": len(trace), "wall_s": wall,
+           "throughput_rps": len(trace) / wall, "computed_tok_s": (prompt - cached) / wall,
+           "prompt_tok_s": prompt / wall, "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
+           "ttft_ms_max": 1e3 * max(ttft), "cache_hit_ratio": cached / max(prompt, 1), "steps": steps,
+           "graph_replay_share": steps["graph"] / max(1, steps["graph"] + steps["eager"]), **_steps(server.engine)}
+    if rate is not None:  # offered: the trace's own arrival rate; served: completions per second over the same span
+        span = float(arrivals[-1])
+        out["offered_rps"] = (len(trace) - 1) / span if span > 0 else float("inf")
+        out["served_rps"] = (len(trace) - 1) / max(1e-9, max(done_at) - min(done_at))
+        out["drain_s"] = max(done_at) - span  # past the last arrival: a server that fell behind drains long
+    return out
 
 
 def _computed_tokens(trace, page: int) -> np.ndarray:
@@ -380,6 +572,15 @@ def main() -> None:
     ap.add_argument("--defer-tokens", type=int, default=64,
                     help="wait for an in-flight shared prefix of at least this many tokens (0: never wait)")
     ap.add_argument("--idle", type=int, default=20, help="requests of the idle-overhead phase")
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="clients of the closed-loop saturation phase (default: twice the requests of a full step)")
+    ap.add_argument("--own-kv-buckets", action="store_true",
+                    help="--cuda-graphs: KV-view rows bucketed on their own (less padding, several buckets per row "
+                         "and prefix bucket: many more to warm, so pair it with a small --warm-prefix-tokens) "
+                         "instead of derived from the row and prefix buckets")
+    ap.add_argument("--warm-prefix-tokens", type=int, default=-1,
+                    help="--cuda-graphs: warm-up prepares every bucket up to this many cached-prefix rows per step "
+                         "(default -1: the token budget)")
     ap.add_argument("--systems", type=int, default=8)
     ap.add_argument("--system-len", type=int, nargs=2, default=(1024, 4096))
     ap.add_argument("--suffix-len", type=int, nargs=2, default=(64, 2048))
@@ -389,6 +590,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the figures as JSON")
+    ap.add_argument("--idle-only", action="store_true", help="the warm-up and the idle-overhead phase only")
+    ap.add_argument("--lean-client", nargs=2, metavar=("URL", "ECHO_URL"), help=argparse.SUPPRESS)
+    if "--lean-client" in sys.argv:  # the idle phase's out-of-process client (no model, no server)
+        a = ap.parse_args()
+        lean_client_main(*a.lean_client)
+        return
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -402,27 +609,49 @@ def main() -> None:
               f"{args.shared:.0%} share one of {args.systems} system prompts", flush=True)
         server.engine.reset_cache()
         print(f"[{_load()}]", flush=True)
+        report["warmup_s"] = server.warmup_s
+        print(f"warm-up (node.warm_up, before /health is 200): {server.warmup_s:.1f} s", flush=True)
         report["idle"] = idle = idle_overhead(server, trace, args.idle)
-        print(f"idle: forward {idle['forward_ms_p50']:.2f} ms; overhead per request: HTTP "
-              f"{idle['http_overhead_ms_p50']:.3f} ms + scheduling {idle['scheduling_overhead_ms_p50']:.3f} ms = "
-              f"{idle['server_overhead_ms_p50']:.3f} ms (direct engine calls: scheduling "
-              f"{idle['direct_scheduling_overhead_ms_p50']:.3f} ms; a bare aiohttp round trip of the same body: "
-              f"{idle['http_floor_ms_p50']:.3f} ms); unloaded TTFT p50 "
-              f"{idle['unloaded_ttft_ms_p50']:.1f} ms p99 {idle['unloaded_ttft_ms_p99']:.1f} ms", flush=True)
+        for kind, what in (("aiohttp", "aiohttp client"), ("lean", "lean keep-alive socket client"),
+                           ("remote", "lean client in a process of its own")):
+            k = idle[kind]
+            print(f"idle, {what}: forward {idle['forward_ms_p50']:.2f} ms; overhead per request: HTTP "
+                  f"{k['http_overhead_ms_p50']:.3f} ms + scheduling {k['scheduling_overhead_ms_p50']:.3f} ms = "
+                  f"{k['server_overhead_ms_p50']:.3f} ms; a bare aiohttp server's round trip of the same body: "
+                  f"{k['http_floor_ms_p50']:.3f} ms (HTTP above it: {k['http_above_floor_ms_p50']:.3f} ms), with "
+                  f"the same thread hand-off around a forward-long wait: {k['handoff_floor_ms_p50']:.3f} ms (server "
+                  f"overhead above it: {k['server_above_handoff_floor_ms_p50']:.3f} ms); "
+                  f"unloaded TTFT p50 {k['unloaded_ttft_ms_p50']:.1f} ms p99 {k['unloaded_ttft_ms_p99']:.1f} ms",
+                  flush=True)
+        print(f"idle, direct engine calls: scheduling {idle['direct_scheduling_overhead_ms_p50']:.3f} ms", flush=True)
+        if args.idle_only:
+            return
         print(f"[{_load()}]", flush=True)
-        report["saturation"] = sat = load(server, trace, None, args.seed)
-        print(f"saturation (burst): {sat['throughput_rps']:.2f} req/s, {sat['computed_tok_s']:.0f} computed tok/s, "
-              f"cache hit {sat['cache_hit_ratio']:.2f}", flush=True)
+        # A pass of the whole trace first (not reported): every shape the load phases form has been seen once.
+        warm = load(server, trace, None, args.seed)
+        print(f"warm pass (burst, not reported): {warm['throughput_rps']:.2f} req/s, {warm['cold_steps']} cold "
+              f"step(s) of {warm['steps_total']}", flush=True)
+        report["burst"] = burst = load(server, trace, None, args.seed)
+        mean_computed = max(1.0, burst["computed_tok_s"] * burst["wall_s"] / len(trace))
+        conc = args.concurrency or max(2, min(len(trace), round(2 * args.token_budget / mean_computed)))
+        report["saturation"] = sat = load(server, trace, None, args.seed, concurrency=conc)
+        for name, r in (("burst (all at once)", burst), (f"closed loop ({conc} clients)", sat)):
+            print(f"saturation, {name}: {r['throughput_rps']:.2f} req/s, {r['computed_tok_s']:.0f} computed tok/s, "
+                  f"cache hit {r['cache_hit_ratio']:.2f}; {r['steps_total']} steps"
+                  f" (forward p50 {r['step_ms_p50']:.1f} ms p99 {r['step_ms_p99']:.1f} ms max {r['step_ms_max']:.1f} "
+                  f"ms, {r['cold_steps']} cold)", flush=True)
         report["rates"] = []
         for frac in args.rates:
             print(f"[{_load()}]", flush=True)
             r = load(server, trace, frac * sat["throughput_rps"], args.seed + 1)
             r["fraction_of_saturation"] = frac
             report["rates"].append(r)
-            print(f"rate {frac:.2f} x sat = {r['rate_rps']:.2f} req/s: TTFT p50 {r['ttft_ms_p50']:.1f} ms p99 "
-                  f"{r['ttft_ms_p99']:.1f} ms; {r['throughput_rps']:.2f} req/s, {r['computed_tok_s']:.0f} computed "
-                  f"tok/s; cache hit {r['cache_hit_ratio']:.2f}; graph replays {r['graph_replay_share']:.0%} of "
-                  f"{int(sum(r['steps'].values()))} steps", flush=True)
+            print(f"rate {frac:.2f} x sat = {r['rate_rps']:.2f} req/s (offered {r['offered_rps']:.2f}, served "
+                  f"{r['served_rps']:.2f}, drained {r['drain_s']:.2f} s after the last arrival): TTFT p50 "
+                  f"{r['ttft_ms_p50']:.1f} ms p99 {r['ttft_ms_p99']:.1f} ms max {r['ttft_ms_max']:.1f} ms; "
+                  f"{r['computed_tok_s']:.0f} computed tok/s; cache hit {r['cache_hit_ratio']:.2f}; {r['steps_total']} "
+                  f"steps, forward p99 {r['step_ms_p99']:.1f} ms max {r['step_ms_max']:.1f} ms, {r['cold_steps']} "
+                  f"cold; graph replays {r['graph_replay_share']:.0%}", flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps(report, indent=1))
         at80 = next((r for r in report["rates"] if abs(r["fraction_of_saturation"] - 0.8) < 1e-9), None)
@@ -439,8 +668,8 @@ def main() -> None:
               f"ideal FIFO server {qm['ideal_fifo_p99_over_unloaded_p50']:.2f}; this scheduler: {per_budget}")
     finally:
         server.stop()
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ class GraphRunner:
         cp_size: int = 1,
         capture: bool | None = None,
         warmup_calls: int = 2,
+        page_size: int | None = None,
     ):
         if max_requests < 1:
             raise ValueError(f"graph_runner: max_requests must be >= 1, got {max_requests}")
@@ -190,9 +191,15 @@ class GraphRunner:
             if any(b <= a for a, b in zip(lad, lad[1:])) or lad[0] < 1:
                 raise ValueError(f"graph_runner: {name} must be increasing positive ints, got {lad}")
         self.cp_size = int(cp_size)
+        if page_size is not None and (page_size < 1 or self.cp_size != 1):
+            raise ValueError(f"graph_runner: page_size (KV-view rows derived from the other buckets) is for one "
+                             f"device with a positive page size, got page_size={page_size}, cp_size={cp_size}")
+        self.page_size = page_size
         self.capture = capture
         self.warmup_calls = max(1, int(warmup_calls))
         self.stats: dict[Bucket, CaptureStats] = {}
+        self.graph_replays = 0  # calls that replayed a captured graph (a counter: cheap to read every step)
+        self._like = None  # (meta, device) of the first batch: dtypes and device of synthetic warm-up buffers
         self._static: dict[Bucket, _Static] = {}
         self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self._out: dict[Bucket, Tensor] = {}
@@ -218,7 +225,14 @@ class GraphRunner:
             raise ValueError("graph_runner: rerange_index is longer than cp_size * rows; wrong cp_size?")
         n, p = meta.kv_source.shape[0], meta.prefix_slots.shape[0]
         p_bucket = pick_bucket(self.kv_buckets, p, "cached-prefix rows") if p else 0
+        if self.page_size is not None:  # N follows from the (M, P) buckets: one bucket per pair, not per triple
+            n = max(n, self._kv_rows(m, p_bucket))
         return Bucket(m, pick_bucket(self.kv_buckets, n, "KV-view rows"), p_bucket, self.max_requests, self.cp_size)
+
+    def _kv_rows(self, m: int, p: int) -> int:
+        # A step of extends e_i (sum M_raw <= m, at most min(max_requests, m) requests) over page-aligned
+        # prefixes (sum P <= p) has N = P + sum(ceil(e_i / page) * page) <= p + m + B * (page - 1) KV-view rows.
+        return p + m + min(self.max_requests, m) * (self.page_size - 1)
 
     # ------------------------------------------------------------------ run
     def __call__(self, ids: Tensor, meta) -> Tensor:
@@ -228,11 +242,14 @@ class GraphRunner:
         if static is None:
             static = self._static[bucket] = _Static(bucket, meta, ids.device)
         static.load(ids, meta)
+        if self._like is None:
+            self._like = (meta, ids.device)
         if bucket not in self.stats:
             self._prepare(bucket, static, ids.device)
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.replay()
+            self.graph_replays += 1
             out = self._out[bucket]
         else:
             out = self.forward(static.ids, static.meta)
@@ -278,6 +295,74 @@ class GraphRunner:
         log.info("graph_runner: captured %s in %.2f s (+%.2f s warm-up), pool +%d B", bucket, t2 - t1, t1 - t0,
                  self.stats[bucket].pool_bytes)  # fmt: skip
 
+    def warm(self, buckets: Sequence[Bucket]) -> int:
+        """Prepare (compile and, on CUDA, capture) each bucket not prepared yet, on all-padding inputs.
+
+        Padding rows write no KV record and read zero records (module
+        docstring), so this touches no cache state.  Needs one real batch
+        first (it fixes the buffers' dtypes and device).  Returns how many
+        buckets were prepared now.
+        """
+        if self._like is None:
+            raise RuntimeError("graph_runner: warm needs one real batch first (dtypes and device of the inputs)")
+        meta, device = self._like
+        n = 0
+        for bucket in buckets:
+            if bucket in self.stats:
+                continue
+            static = self._static.get(bucket)
+            if static is None:
+                static = self._static[bucket] = _Static(bucket, meta, device)
+            self._prepare(bucket, static, device)
+            n += 1
+        return n
+
+    def reachable_buckets(self, token_budget: int, page_size: int, max_prefix_tokens: int = 0) -> list[Bucket]:
+        """Every bucket a step of at most ``token_budget`` compute rows and ``max_prefix_tokens`` cached-prefix
+        rows (at most ``max_requests`` requests) can pick, at ``cp_size == 1`` (a superset: some may never occur).
+
+        A step of extends ``e_i`` over page-aligned prefixes ``p_i`` has ``M = sum(e_i)`` rows, ``P = sum(p_i)``
+        and ``N = P + sum(ceil(e_i / page) * page)`` KV-view rows, so ``P + M <= N <= P + M + B * (page - 1)``:
+        several ``N`` buckets per ``(M, P)`` pair, unless the runner derives ``N`` from them (``page_size``),
+        which leaves one bucket per pair.
+        """
+        if self.cp_size != 1:
+            raise ValueError("graph_runner: reachable_buckets is for one device (cp_size == 1)")
+        budget = int(token_budget)
+        rows = [m for m in self.row_buckets if m < pick_bucket(self.row_buckets, budget, "compute rows")]
+        rows.append(pick_bucket(self.row_buckets, budget, "compute rows"))
+        prefixes = [(0, 0, 0)]  # (bucket, smallest, largest P it holds)
+        if max_prefix_tokens >= page_size:
+            top = pick_bucket(self.kv_buckets, max_prefix_tokens, "cached-prefix rows")
+            lo = page_size
+            for v in self.kv_buckets:
+                if v >= lo:
+                    hi = min(v, max_prefix_tokens) // page_size * page_size
+                    if hi >= lo:
+                        prefixes.append((v, lo, hi))
+                    lo = v + 1
+                if v >= top:
+                    break
+        if self.page_size is not None and self.page_size != page_size:
+            raise ValueError(f"graph_runner: page_size {page_size} differs from the runner's {self.page_size}")
+        out, m_lo = [], 1
+        for m in rows:
+            m_hi = min(m, budget)
+            slack = min(self.max_requests, m_hi) * (page_size - 1)
+            for p, p_lo, p_hi in prefixes:
+                if self.page_size is not None:
+                    out.append(Bucket(m, pick_bucket(self.kv_buckets, self._kv_rows(m, p), "KV-view rows"), p,
+                                      self.max_requests, 1))
+                    continue
+                n_lo, n_hi = p_lo + m_lo, p_hi + m_hi + slack
+                for n in self.kv_buckets:
+                    if n >= n_lo:
+                        out.append(Bucket(m, n, p, self.max_requests, 1))
+                    if n >= n_hi:
+                        break
+            m_lo = m + 1
+        return out
+
     def capture_report(self) -> list[dict]:
         """One dict per bucket: shapes, warm-up / capture seconds, pool growth, replays."""
         return [{"rows": s.bucket.rows, "kv_rows": s.bucket.kv_rows, "prefix_rows": s.bucket.prefix_rows,
@@ -293,7 +378,10 @@ def graphed_forward(model_forward: Callable, *, max_requests: int, **runner_kw) 
     :class:`GraphRunner` per set of KV pool tensors (a captured graph binds
     their addresses, so a new pool gets its own graphs), rows padded to the
     bucket on load.  Returns a ``ForwardOutput`` holding the logits only;
-    ``return_topk`` / the MTP draft are not captured and raise.
+    ``return_topk`` / the MTP draft are not captured and raise.  ``page_size``
+    (runner keyword): derive the KV-view bucket from the row and prefix
+    buckets, so the buckets a token budget can form are few enough to warm
+    all of them (:meth:`GraphRunner.reachable_buckets`, ``cpgraph serve``).
     """
     from cpgraph.models.model import ForwardOutput
 
@@ -312,3 +400,11 @@ def graphed_forward(model_forward: Callable, *, max_requests: int, **runner_kw) 
 
     forward.runners = runners
     return forward
+
+
+def graph_counts(forward) -> tuple[int, int]:
+    """``(graph replays, buckets prepared)`` so far of a ``graphed_forward`` ((0, 0) for any other forward)."""
+    runners = getattr(forward, "runners", None)
+    if not runners:
+        return 0, 0
+    return sum(r.graph_replays for r in runners.values()), sum(len(r.stats) for r in runners.values())

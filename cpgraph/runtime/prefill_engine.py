@@ -66,6 +66,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -77,6 +78,7 @@ from cpgraph.plan import plan_prefill
 
 from .cache_engine import CacheEngine, PrefixMatch
 from .engine import forward_batch
+from .graph_runner import graph_counts
 from .radix import TokenKey, check_consistent
 from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
                        RequestHandle, RequestResult, _Stats, engine_request)
@@ -84,6 +86,8 @@ from .sampling import Sampling, choose_first_token
 from .scheduler import Scheduler, SchedulerConfig, chunk_owners, chunk_spans, lane_pages, shared_prefix
 
 log = logging.getLogger(__name__)
+
+STEP_LOG = 4096  # steps kept in PrefillEngine.step_log
 
 
 class _Live:
@@ -150,13 +154,20 @@ class PrefillEngine:
         self.max_prompt_tokens = max_prompt_tokens or self._pool_token_limit()
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
+        self._step_lock = threading.RLock()
         self._inbox: list[_Live] = []
         self._cancels: list[tuple[int, str]] = []
         self._live: dict[int, _Live] = {}
+        self._next_deadline = float("inf")  # no request's deadline comes before this (leader)
         # L3 prefetches of queued requests by id, on every rank (started, then finished, by L3-phase ops).
         self._prefetches: dict = {}
         self._stopped = False
         self.stats = self._new_stats()
+        # One device: the radix commits of a step's answered requests wait for the next step (or for
+        # ``commit_delay`` seconds of idle in wait_for_work), so the threads waiting on the answers run first
+        # (the engine thread blocks instead of holding the GIL).  Under CP every rank commits in its step.
+        self.commit_delay = 1e-3
+        self._pending: list[_Live] = []  # answered, pages not yet committed (leader, cp_size == 1)
 
     # ---------------------------------------------------------------- public API
     @property
@@ -229,14 +240,17 @@ class PrefillEngine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._cancels or len(self.scheduler))
+            return bool(self._inbox or self._cancels or len(self.scheduler) or self._pending)
 
     def wait_for_work(self, timeout: float) -> bool:
-        """Block until something is queued (or ``timeout`` seconds pass); True if there is work."""
+        """Block until something is queued (or ``timeout`` seconds pass); True if there is work.
+
+        Commits left by the last step are work too, but they first wait up to ``commit_delay`` seconds
+        for a request: the threads that got the step's answers run meanwhile."""
         with self._lock:
             if not (self._inbox or self._cancels or len(self.scheduler)):
-                self._lock.wait(timeout)
-            return bool(self._inbox or self._cancels or len(self.scheduler))
+                self._lock.wait(min(timeout, self.commit_delay) if self._pending else timeout)
+            return bool(self._inbox or self._cancels or len(self.scheduler) or self._pending)
 
     def wake(self) -> None:
         """Wake a thread blocked in :meth:`wait_for_work` (e.g. to let it see a stop flag)."""
@@ -266,7 +280,7 @@ class PrefillEngine:
             "prompt_tokens": s.prompt_tokens, "cached_tokens": dict(s.cached_tokens),
             "computed_tokens": s.computed_tokens, "steps": dict(s.steps), "outcomes": dict(s.outcomes),
             "transfer_bytes": s.transfer_bytes, "transfer_failures": s.transfer_failures,
-            "step_tokens": s.last_step_tokens,
+            "step_tokens": s.last_step_tokens, "cold_steps": self.cold_steps,
         }
 
     # --------------------------------------------------------------------- steps
@@ -274,6 +288,11 @@ class PrefillEngine:
         """One scheduling step on the leader (any rank when ``cp_size == 1``); returns the handles it finished."""
         if not self.is_leader:
             raise RuntimeError("PrefillEngine.step runs on the leader (rank 0); other ranks call follow()")
+        with self._step_lock:  # a reset_cache from another thread waits for the step (its commits come after answers)
+            return self._step()
+
+    def _step(self) -> list[RequestHandle]:
+        self._flush_commits()  # the last step's answered requests: their pages into the cache before any admission
         finished: list[RequestHandle] = []
         with self._lock:
             new, self._inbox = self._inbox, []
@@ -281,18 +300,29 @@ class PrefillEngine:
         for live in new:
             self._live[live.id] = live
             self.scheduler.enqueue(live)
+            if live.deadline is not None and live.deadline < self._next_deadline:
+                self._next_deadline = live.deadline
         ops: list[tuple] = []
         now = self.clock()
+        doomed = False  # a request to close in this step (every one marked is closed below, in the same step)
         for rid, reason in cancels:
             live = self._live.get(rid)
             if live is not None and live.cancel_reason is None:
                 live.cancel_reason = reason
-        for live in self._live.values():
-            if live.cancel_reason is None and live.deadline is not None and now >= live.deadline:
-                live.cancel_reason = TIMEOUT
+                doomed = True
+        if now >= self._next_deadline:  # the scan over every request only when one may have timed out
+            nxt = float("inf")
+            for live in self._live.values():
+                if live.cancel_reason is None and live.deadline is not None:
+                    if now >= live.deadline:
+                        live.cancel_reason = TIMEOUT
+                        doomed = True
+                    elif live.deadline < nxt:
+                        nxt = live.deadline
+            self._next_deadline = nxt
         if self.cache.l3 is not None:
             self._l3_phase()
-        for live in list(self._live.values()):
+        for live in list(self._live.values()) if doomed else ():
             if live.cancel_reason is not None:
                 if live.match is None:  # still waiting: other ranks know it only by its prefetch, if any
                     self.scheduler.remove(live)
@@ -343,18 +373,38 @@ class PrefillEngine:
         for live in new + list(self._live.values()):
             self._close(live, FAILED, error=error)
 
+    def sync(self) -> None:
+        """Commit what the last step answered (any thread; waits for the step in progress).  A step answers its
+        finished requests before their pages go into the radix cache (at the next step, or after
+        ``commit_delay`` of idle), so a reader of the cache or the pool (tests, a debugger) calls this after an
+        answer to see the state that the next step starts from."""
+        with self._step_lock:
+            self._flush_commits()
+
+    def _flush_commits(self) -> None:
+        pending, self._pending = self._pending, []
+        for live in pending:
+            self._commit(live)
+
     def reset_cache(self) -> None:
-        """Leader, idle: empty the radix cache (L1 and L2) on every rank and zero the counters (after a warm-up)."""
-        if self.cp_size > 1:
-            self._broadcast([("evict",)])
-        self._apply(("evict",))
-        self.stats = self._new_stats()
+        """Leader, idle: empty the radix cache (L1 and L2) on every rank and zero the counters (after a warm-up).
+
+        From another thread than the one stepping: it waits for the step in progress, which may still be
+        committing the pages of requests it has already answered."""
+        with self._step_lock:
+            self._flush_commits()
+            if self.cp_size > 1:
+                self._broadcast([("evict",)])
+            self._apply(("evict",))
+            self.stats = self._new_stats()
 
     def close(self) -> None:
         """Every rank, after the last step (leader: after :meth:`stop_followers`; followers: after
         :meth:`follow` returns): give back the L3 prefetches of requests never admitted, store what L3
         lacks, then release the store.  Idempotent; rank-local (no collectives), and every rank reaches
         it after the same op sequence, so their trees and ledgers agree."""
+        with self._step_lock:
+            self._flush_commits()
         for pf in self._prefetches.values():
             self.cache.drop_prefetch(pf)
         self._prefetches.clear()
@@ -368,6 +418,8 @@ class PrefillEngine:
 
     # ----------------------------------------------------------------- internals
     def _new_stats(self) -> _Stats:
+        self.cold_steps = 0  # steps whose forward compiled a graph or prepared (captured) a new bucket
+        self.step_log: deque = deque(maxlen=STEP_LOG)  # (forward s, tokens, chunks, cold) of the latest steps
         stats = _Stats()
         if self.cache.l3 is not None:  # the L3 tier is reported (also at 0) only where there is one
             stats.cached_tokens["l3"] = 0
@@ -404,7 +456,7 @@ class PrefillEngine:
         ops = [("l3_done", rid) for rid, pf in self._prefetches.items() if pf.fetching]
         idle = not self.scheduler.running
         started: list[_Live] = []
-        for live in list(self.scheduler.waiting)[: self.scheduler.config.max_batch_requests]:
+        for live in list(itertools.islice(self.scheduler.waiting, self.scheduler.config.max_batch_requests)):
             if live.l3_checked or live.cancel_reason is not None:
                 continue
             if not idle and any(shared_prefix(live.tokens_np, o.tokens_np) >= self.page_size for o in started):
@@ -559,7 +611,8 @@ class PrefillEngine:
                     h.wait_layer(layer)
 
             t0 = time.perf_counter()
-            replays0 = _graph_replays(self.cache.forward)
+            replays0, prepared0 = graph_counts(self.cache.forward)
+            compiles0 = _compiles()
             with layer_hooks(on_ready=wait_for_layer if loads else None):
                 out, _ = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
                                                                   zip(lives, chunks)],
@@ -579,11 +632,20 @@ class PrefillEngine:
             for h in live.match.loads:
                 h.wait_all()
             live.match.loads = []
-        graph = _graph_replays(self.cache.forward) > replays0
-        self.stats.steps["graph" if graph else "eager"] += 1
-        self.stats.last_step_tokens = sum(e - s for _, s, e in chunks)
+        replays1, prepared1 = graph_counts(self.cache.forward)
+        cold = prepared1 > prepared0 or _compiles() > compiles0
+        self.stats.steps["graph" if replays1 > replays0 else "eager"] += 1
+        self.stats.last_step_tokens = tokens = sum(e - s for _, s, e in chunks)
         self.stats.step_seconds += forward_s
-        finished = []
+        self.cold_steps += cold
+        self.step_log.append((forward_s, tokens, len(chunks), cold))
+        finished, done = [], []
+        rows = None
+        if self.is_leader:  # the rows whose first token is chosen now: one device-to-host copy for all of them
+            want = [j for j, (live, (_, _, e)) in enumerate(zip(lives, chunks))
+                    if e == len(live.tokens) and live.handle is not None]
+            if want:
+                rows = dict(zip(want, logits[want].float().cpu()))
         for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
             live.next_chunk, live.chunks = live.next_chunk + 1, live.chunks + 1
             last = e == len(live.tokens)
@@ -591,15 +653,25 @@ class PrefillEngine:
             choice = None
             if last and self.is_leader and live.handle is not None:
                 req = live.handle.request
-                choice = choose_first_token(logits[j], req.sampling, req.top_logprobs)
+                choice = choose_first_token(rows[j], req.sampling, req.top_logprobs)
             if live.room is not None and self.transfer is not None:
                 self._send(live, tables[j][0], s, e, last, choice)
             if last:
-                self._commit(live)
+                if live.room is not None and self.transfer is not None:
+                    self.transfer.finish(live.room)  # every page is sent: the decode may start
+                done.append(live)
                 if self.is_leader and live.handle is not None:
                     finished.append(self._close(live, FINISHED, choice))
-                else:
-                    del self._live[live.id]
+        # The answers go out before the radix bookkeeping.  One device: it waits for the next step (which
+        # commits before it admits anything, so a request sent after an answer still finds the prompt's
+        # pages); the engine thread blocks meanwhile and the threads waiting on the answers run.
+        for live in done:
+            self._live.pop(live.id, None)
+        if self.cp_size == 1 and self.is_leader and self.commit_delay > 0:
+            self._pending += done
+        else:
+            for live in done:
+                self._commit(live)
         check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
 
@@ -626,8 +698,6 @@ class PrefillEngine:
         cache.backup_inserted([last_node])  # write_through: L2 copies of the whole path, then L3
         cache.release(live.match)
         live.reserve = None
-        if live.room is not None and self.transfer is not None:
-            self.transfer.finish(live.room)
 
     def _fail(self, live: _Live, exc: Exception) -> RequestHandle | None:
         self._release(live)
@@ -695,10 +765,14 @@ def token_ids(tokens, vocab: int) -> tuple[np.ndarray | None, object]:
 
 def _graph_replays(forward) -> int:
     """Replays of captured CUDA graphs so far, for a ``graphed_forward`` (0 for any other forward)."""
-    runners = getattr(forward, "runners", None)
-    if not runners:
-        return 0
-    return sum(r["replays"] for runner in runners.values() for r in runner.capture_report() if r["captured"])
+    return graph_counts(forward)[0]
+
+
+def _compiles() -> int:
+    """Graphs TorchDynamo compiled so far in this process (a dict read: cheap enough for every step)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 __all__ = ["EngineRequest", "PrefillEngine", "RequestHandle", "RequestResult", "Sampling", "SchedulerConfig",

@@ -44,8 +44,12 @@ _REFUSAL_STATUS = {"too_long": (413, "prompt"), "queue_full": (429, None), "room
                    "stopped": (503, None), "invalid": (400, "prompt")}
 
 
+_JSON_HEADERS = {"Content-Type": "application/json; charset=utf-8"}
+_dumps = json.JSONEncoder(separators=(",", ":")).encode  # one encoder for every response
+
+
 def _json(status: int, body: dict) -> web.Response:
-    return web.json_response(body, status=status, dumps=lambda o: json.dumps(o, separators=(",", ":")))
+    return web.Response(body=_dumps(body).encode(), status=status, headers=_JSON_HEADERS)
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -78,6 +82,7 @@ class PrefillServer:
         self.failed: str | None = None  # the engine thread died (a bug): health reports it
         self.created = int(time.time())
         self._in_flight = 0
+        self._counters: dict = {}
         self._stop_engine = threading.Event()
         self._engine_thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -137,7 +142,10 @@ class PrefillServer:
         except Exception as exc:  # noqa: BLE001  (never die on one request)
             log.exception("cpgraph serve: %s %s failed", request.method, request.path)
             resp = _error(500, " ".join(f"internal error: {type(exc).__name__}: {exc}".split()), kind="server_error")
-        self.metrics.responses.labels(endpoint, str(resp.status)).inc()
+        counter = self._counters.get((endpoint, resp.status))
+        if counter is None:  # one labelled child per (endpoint, status), looked up once
+            counter = self._counters[endpoint, resp.status] = self.metrics.responses.labels(endpoint, str(resp.status))
+        counter.inc()
         return resp
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -165,9 +173,11 @@ class PrefillServer:
         if self.draining or self.failed or not self.ready:
             why = "shutting down" if self.draining else "failed" if self.failed else "still loading"
             return _error(503, f"the server is {why}", kind="server_error")
-        try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        try:  # the bytes straight to the parser (it detects UTF-8); another declared charset decodes first
+            raw = await request.read()
+            charset = request.charset
+            body = json.loads(raw if charset is None or charset.lower() in ("utf-8", "utf8") else raw.decode(charset))
+        except (json.JSONDecodeError, UnicodeDecodeError, LookupError) as exc:
             return _error(400, f"the request body is not JSON: {' '.join(str(exc).split())}")
         try:
             comp = parse_completion(body, served=self.served, vocab=self.engine.vocab,

@@ -31,6 +31,8 @@ SERIES = {
     "cpgraph_requests": "Requests by outcome",
     "cpgraph_transfer_bytes": "KV bytes sent to decode rooms (this rank's pages)",
     "cpgraph_transfer_failures": "Requests whose KV transfer failed",
+    "cpgraph_cold_steps": "Steps whose forward compiled a graph or captured a new CUDA-graph bucket (after warm-up: "
+                          "a shape first seen under load)",
 }
 
 
@@ -63,6 +65,7 @@ class _EngineCollector:
         yield CounterMetricFamily("cpgraph_transfer_bytes", SERIES["cpgraph_transfer_bytes"], value=s["transfer_bytes"])
         yield CounterMetricFamily("cpgraph_transfer_failures", SERIES["cpgraph_transfer_failures"],
                                   value=s["transfer_failures"])
+        yield CounterMetricFamily("cpgraph_cold_steps", SERIES["cpgraph_cold_steps"], value=s["cold_steps"])
 
 
 class ServeMetrics:

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,6 +57,9 @@ class ServeSpec:
     cuda_graphs: bool = False
     kv_transfer: bool = False
     warmup_tokens: int = 64
+    warmup_prefix_tokens: int | None = None  # --cuda-graphs: warm buckets up to this many cached-prefix rows (None:
+    # the token budget); a step past it captures its bucket under load (counted in cpgraph_cold_steps_total)
+    derive_kv_bucket: bool = True  # --cuda-graphs: the KV-view bucket follows from the row and prefix buckets
     timeout: float = 600.0  # seconds a CP collective may wait
     log_level: int | None = None
     deterministic: bool = False  # row-invariant products, eager or compiled (docs/deterministic.md)
@@ -108,7 +112,9 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
 
         if spec.token_budget > DEFAULT_MAX_ROWS:
             raise ValueError(f"--token-budget {spec.token_budget} exceeds the largest row bucket {DEFAULT_MAX_ROWS}")
-        forward = graphed_forward(forward, max_requests=spec.max_batch_requests)
+        # The KV-view bucket follows from the row and prefix buckets: few enough buckets to warm them all.
+        forward = graphed_forward(forward, max_requests=spec.max_batch_requests,
+                                  page_size=spec.page_size if spec.derive_kv_bucket else None)
     engine = PrefillEngine(forward, model, num_pages=spec.num_pages, page_size=spec.page_size,
                            kv_format=spec.kv_format, rank=rank, cp_size=spec.cp, host_pages=spec.host_pages,
                            group=group, control_group=control_group, src=src, scheduler=sched,
@@ -122,18 +128,60 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
     return engine
 
 
-def warm_up(engine, tokens: int) -> None:
-    """Leader, engine thread: one request through the whole path (compiles), then an empty cache and fresh counters."""
+def warm_up(engine, tokens: int, prefix_tokens: int | None = None) -> None:
+    """Leader, engine thread: every shape a step can take, compiled -- and, with CUDA graphs, every bucket the
+    token budget can form, captured -- before ``/health`` turns 200; then an empty cache and fresh counters.
+
+    Why more than one request: a compiled forward specialises on sizes 0 and 1 (one request or several, no
+    cached prefix or some, a one-token extend) and on sizes that happened to be equal, so each of those
+    classes compiles a graph of its own the first time a step has it.  The warm-up runs each once (a few
+    short requests, sizes chosen not to coincide).  A ``graphed_forward``
+    then prepares every bucket of :meth:`GraphRunner.reachable_buckets` for the scheduler's token budget
+    and ``prefix_tokens`` cached-prefix rows per step (default: the budget) on padding rows, which touch
+    no cache state.  ``engine.cold_steps`` (``cpgraph_cold_steps_total``) counts the steps that still
+    compiled or captured after this.
+    """
     if tokens <= 0:
         return
     from cpgraph.runtime.prefill_engine import engine_request
 
     g = torch.Generator().manual_seed(0)
+    ps, cfg = engine.page_size, engine.scheduler.config
     n = min(tokens, engine.max_prompt_tokens)
-    h = engine.submit(engine_request(torch.randint(0, engine.vocab, (n,), generator=g).tolist()))
-    engine.run_until_idle()
-    if h.result.status != "finished":
-        raise RuntimeError(f"warm-up request {h.result.status}: {h.result.error}")
+
+    def rand(k: int) -> list[int]:
+        return torch.randint(0, engine.vocab, (k,), generator=g).tolist()
+
+    def run(*prompts) -> None:  # submitted together: one step when they fit the budget
+        handles = [engine.submit(engine_request(p)) for p in prompts]
+        engine.run_until_idle()
+        for h in handles:
+            if h.result.status != "finished":
+                raise RuntimeError(f"warm-up request {h.result.status}: {h.result.error}")
+
+    t0 = time.perf_counter()
+    # Each class once, with sizes that do not coincide (rows M, KV-view rows N, prefix rows P, requests B):
+    # a compiled forward also guards on sizes that were equal when it was traced.
+    if n >= 2:
+        run(rand(n if n % ps else n - 1))  # one request, no cached prefix (N, whole pages, differs from M)
+    run(rand(1))  # a one-token step
+    if cfg.max_batch_requests >= 2 and cfg.token_budget >= 8:
+        run(rand(3), rand(5))  # several requests (B 2, M 8, N 2 pages)
+    if engine.max_prompt_tokens >= 3 * ps and cfg.token_budget >= ps + 3:
+        base = rand(2 * ps)
+        run(base + rand(1))  # its two pages go to the cache
+        run(base + rand(1))  # a cached prefix and a one-token extend
+        run(base + rand(ps + 3))  # a cached prefix and a longer extend (as every chunk after a first)
+        if cfg.max_batch_requests >= 2:
+            run(base + rand(5), base + rand(7))  # several requests over a cached prefix (P 4 pages, M 12)
+    runners = getattr(engine.cache.forward, "runners", None) or {}
+    prepared = 0
+    for runner in runners.values():
+        budget = min(cfg.token_budget, runner.row_buckets[-1])
+        cap = cfg.token_budget if prefix_tokens is None else prefix_tokens
+        prepared += runner.warm(runner.reachable_buckets(budget, ps, min(cap, runner.kv_buckets[-1])))
+    log.info("cpgraph serve: warm-up ran in %.1f s (%d CUDA-graph bucket(s) prepared on padding rows)",
+             time.perf_counter() - t0, prepared)
     engine.reset_cache()
 
 
@@ -167,7 +215,8 @@ def _server(engine, spec: ServeSpec, port: int, transfer_info=None):
 
     encode, decode = _tokenizer(spec, engine.vocab)
     return PrefillServer(engine, served=served_names(spec), host=spec.host, port=port, encode=encode, decode=decode,
-                         warmup=lambda: warm_up(engine, spec.warmup_tokens), transfer_info=transfer_info)
+                         warmup=lambda: warm_up(engine, spec.warmup_tokens, spec.warmup_prefix_tokens),
+                         transfer_info=transfer_info)
 
 
 def _announce(url: str) -> None:

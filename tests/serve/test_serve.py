@@ -98,6 +98,7 @@ def _check_against(choice, ref_logits):
 
 def _ledger(server):
     eng = server.engine
+    eng.sync()  # an answer can precede its step's commit: read the state the next step starts from
     return eng.cache.device.ledger.used.copy(), eng.cache.pool.num_free, eng.cache.tree.device_pages_total
 
 
@@ -207,7 +208,8 @@ def test_other_endpoints(server):
                          ("cpgraph_cached_tokens_total", 'tier="host"'),
                          ("cpgraph_steps_total", 'kind="graph"'), ("cpgraph_steps_total", 'kind="eager"'),
                          ("cpgraph_transfer_bytes_total", ""), ("cpgraph_transfer_failures_total", ""),
-                         ("cpgraph_prompt_tokens_total", ""), ("cpgraph_ttft_seconds_count", "")]:
+                         ("cpgraph_prompt_tokens_total", ""), ("cpgraph_ttft_seconds_count", ""),
+                         ("cpgraph_cold_steps_total", "")]:
         metric(page, name, labels)
     assert metric(page, "cpgraph_ttft_seconds_count") >= 1
     assert metric(page, "cpgraph_steps_total", 'kind="graph"') == 0  # CPU: nothing is captured

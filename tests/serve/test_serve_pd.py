@@ -80,6 +80,7 @@ def test_decode_room_receives_the_prefill_pool_bytes(one_thread):
             assert decode.wait(room, 30) == RoomStatus.SUCCESS
             assert decode.first_token(room) == choice["token_ids"][0]
             # Every page of the prompt (whole pages: all of it sits in the radix cache now) arrived bit for bit.
+            engine.sync()  # the answer can precede its step's commit to the radix cache
             src = engine.cache.tree.match_prefix(TokenKey(tokens)).device_pages
             assert src.shape[0] == len(tokens) // PAGE
             pages = len(tokens) // PAGE
