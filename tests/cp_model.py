@@ -1,8 +1,8 @@
 """The model the gloo CP tests share, and its compiled forwards, built once per process.
 
-Compiling the model is what those tests spend their time on (tens of CPU
-seconds per graph; a rank compiles one graph for passes without a cached
-prefix and one for passes with one), so a rank process builds each compiled
+Compiling the model is what those tests spend their time on (seconds of CPU
+per graph; a pass without a cached prefix and one with one share a graph,
+since ``build_batch`` never gives ``prefix_slots`` 0 or 1 rows), so a rank process builds each compiled
 forward once and every test module that runs jobs on the same ranks
 (``shared_pool(world, CP_TIMEOUT_S)``) reuses it: ``test_cp_numerics`` and
 ``test_cache_cp`` share the CP compile of each world size.

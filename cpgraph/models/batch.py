@@ -22,11 +22,22 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from cpgraph.plan import CPPlan, materialize_descriptors
+from cpgraph.plan import CPPlan, GatherLayout, materialize_descriptors
 from cpgraph.plan.memory import DEFAULT_MAX_LOGITS_BYTES
 from cpgraph.plan.slots import slots_for_positions
 
 KV_FORMATS = ("dense", "fp8")
+
+# Every BatchMeta holds at least this many cached-prefix rows per rank (``prefix_slots``), the missing
+# ones ``-1``.  Why: Dynamo specialises a dim of size 0 or 1 even under ``dynamic=True`` (0/1
+# specialisation), so a pass without a cached prefix (``P == 0``: a cold prefill, the prefix pass
+# of a run with cached prefixes, a server's first request) compiled a graph of its own and the next
+# pass that reads cached pages compiled the forward again.  With ``P >= 2`` on every pass one
+# symbolic graph serves both.  The pad rows change no value by construction: a ``-1`` slot gathers
+# a zero row (never reading the pool) and ``kv_source`` never names a pad row, so no full-view row
+# comes from one.  Cost: two zero rows per gather (and per rank in the CP all-gather) of a pass
+# that has no prefix; no host sync (the pad is built on the host with the rest of the batch).
+MIN_PREFIX_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,9 @@ class BatchMeta:
       ``-1`` for dummy rows (they never write);
     * ``prefix_slots [P]``: physical slots of the cached-prefix rows this rank
       holds, in full-view order (``-1`` padding) -- read from the pool;
+      ``P >= MIN_PREFIX_ROWS`` always: a batch without cached prefix rows
+      (or fewer) gets ``-1`` pad rows, so ``P`` is never 0 or 1 and a
+      ``dynamic=True`` compile serves cold and cached passes with one graph;
     * ``kv_source [N_kv]``: source row of every full-view row in
       ``[prefix rows ; current rows]`` (rank-major over the CP group), ``-1``
       for page-tail slack -- see ``cpgraph.ops.materialize``;
@@ -149,6 +163,28 @@ def build_draft_inputs(plan: CPPlan, prompts: Sequence[Sequence[int]], sampled: 
     return out.to(device) if device is not None else out
 
 
+def pad_prefix_rows(prefix_slots: Tensor, kv_source: Tensor, layout: GatherLayout,
+                    min_rows: int = MIN_PREFIX_ROWS) -> tuple[Tensor, Tensor]:
+    """``(prefix_slots, kv_source)`` with at least ``min_rows`` prefix rows per rank (see :data:`MIN_PREFIX_ROWS`).
+
+    ``layout``: the gathered-buffer coordinates ``kv_source`` indexes (its
+    ``prefix_rows`` is ``prefix_slots``' length).  The new rows are ``-1``
+    slots appended to every rank's prefix block; ``kv_source`` is re-mapped
+    into the padded layout with :meth:`GatherLayout.repad` (under CP every
+    rank's block moves, at ``cp_size == 1`` the current rows shift by the
+    pad) and never names a pad row.  Returned unchanged when ``P`` is
+    already ``>= min_rows``.
+    """
+    P = prefix_slots.shape[0]
+    if P != layout.prefix_rows:
+        raise ValueError(f"pad_prefix_rows: prefix_slots has {P} rows, the layout {layout.prefix_rows}")
+    if P >= min_rows:
+        return prefix_slots, kv_source
+    padded = replace(layout, prefix_rows=min_rows)
+    pad = torch.full((min_rows - P,), -1, dtype=prefix_slots.dtype, device=prefix_slots.device)
+    return torch.cat([prefix_slots, pad]), layout.repad(kv_source, padded)
+
+
 def build_batch(
     plan: CPPlan,
     tokens: Sequence[Sequence[int]],
@@ -204,13 +240,14 @@ def build_batch(
                 raise ValueError(f"request {i}: rank {rank} computes rows whose pages it does not own")
     local_prefix = [tables[i][: prefix_pages[i]] for i in range(B)]
     desc = materialize_descriptors(plan, prefix_page_owners, local_prefix, rank)
+    prefix_slots, kv_source = pad_prefix_rows(desc.send_slots, desc.kv_source, desc.layout)
     meta = BatchMeta(
         positions=rp.positions,
         ks=rp.ks,
         ke=rp.ke,
         row_slots=torch.from_numpy(row_slots),
-        prefix_slots=desc.send_slots,
-        kv_source=desc.kv_source,
+        prefix_slots=prefix_slots,
+        kv_source=kv_source,
         last_token_index=rp.last_token_index,
         rerange_index=rp.rerange_index,
     )

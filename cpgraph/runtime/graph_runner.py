@@ -21,7 +21,9 @@ What sets the shapes of the forward's inputs (see ``BatchMeta``):
 * ``N`` rows of the full KV view (``kv_source``) and ``P`` cached-prefix
   rows per rank (``prefix_slots``): each padded here to its own KV bucket
   with ``-1`` (a ``-1`` slot reads a zero record; a ``-1`` source row is
-  zero and lies past every key window).  ``kv_source`` indexes the
+  zero and lies past every key window).  A batch without cached prefix
+  rows already carries ``MIN_PREFIX_ROWS`` ``-1`` rows (``build_batch``)
+  and keeps that small ``P`` as its bucket.  ``kv_source`` indexes the
   rank-major gather of every rank's ``[P prefix rows | M compute rows]``
   block (``GatherLayout``; at ``cp_size == 1`` the one block is
   ``cat(prefix rows, current rows)``), so padding ``P`` (or ``M``) moves
@@ -62,6 +64,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from cpgraph.models.batch import MIN_PREFIX_ROWS
 from cpgraph.ops.providers import bind_providers
 from cpgraph.plan import CPPlan, GatherLayout, plan_prefill
 
@@ -224,7 +227,9 @@ class GraphRunner:
         if meta.rerange_index.shape[0] > self.cp_size * m:
             raise ValueError("graph_runner: rerange_index is longer than cp_size * rows; wrong cp_size?")
         n, p = meta.kv_source.shape[0], meta.prefix_slots.shape[0]
-        p_bucket = pick_bucket(self.kv_buckets, p, "cached-prefix rows") if p else 0
+        # A batch without cached prefix rows carries MIN_PREFIX_ROWS ``-1`` rows (build_batch): its own
+        # small bucket, not the smallest KV bucket (which would gather that many zero rows per layer).
+        p_bucket = p if p <= MIN_PREFIX_ROWS else pick_bucket(self.kv_buckets, p, "cached-prefix rows")
         if self.page_size is not None:  # N follows from the (M, P) buckets: one bucket per pair, not per triple
             n = max(n, self._kv_rows(m, p_bucket))
         return Bucket(m, pick_bucket(self.kv_buckets, n, "KV-view rows"), p_bucket, self.max_requests, self.cp_size)
@@ -331,10 +336,12 @@ class GraphRunner:
         budget = int(token_budget)
         rows = [m for m in self.row_buckets if m < pick_bucket(self.row_buckets, budget, "compute rows")]
         rows.append(pick_bucket(self.row_buckets, budget, "compute rows"))
-        prefixes = [(0, 0, 0)]  # (bucket, smallest, largest P it holds)
+        # (bucket, smallest, largest P it holds); a step without cached prefix rows carries MIN_PREFIX_ROWS
+        # pad rows (build_batch), its own bucket (see pick)
+        prefixes = [(MIN_PREFIX_ROWS, MIN_PREFIX_ROWS, MIN_PREFIX_ROWS)]
         if max_prefix_tokens >= page_size:
             top = pick_bucket(self.kv_buckets, max_prefix_tokens, "cached-prefix rows")
-            lo = page_size
+            lo = max(page_size, MIN_PREFIX_ROWS + 1)
             for v in self.kv_buckets:
                 if v >= lo:
                     hi = min(v, max_prefix_tokens) // page_size * page_size

@@ -25,9 +25,12 @@ passes' behaviour, proven on cpgraph's own model at 4 ranks
 both models here, so 4 more ranks cost CI twice what 2 do.
 
 The batch has no cached prefix: a prefix needs a second compiled graph per
-rank and model (the prefix pass has no prefix rows, a shape of its own), and
-the owner-sharded prefix reads are the same ops with the same arguments as
-in cpgraph's own model, whose CP tests cover them (tests/passes/test_cp_numerics.py).
+rank and model (these compiles have static shapes, and an extend pass's
+differ from its prefix pass's), and the owner-sharded prefix reads are the
+same ops with the same arguments as in cpgraph's own model, whose CP tests
+cover them (tests/passes/test_cp_numerics.py).  The CP graphs still gather
+prefix rows (``paged_gather(_, in13)``): ``build_batch`` gives every batch at
+least ``MIN_PREFIX_ROWS`` of them, ``-1`` (zero rows) when nothing is cached.
 """
 
 from __future__ import annotations
@@ -261,19 +264,21 @@ v0 = cpgraph.mla_query(_, _, _, _)
 v1 = cpgraph.kv_layer_ready(layer=0)
 v2 = cpgraph.mla_dense_pack(_, _)
 v3 = cpgraph.paged_store(rows=v2, slots=_)
-v4 = cpgraph.paged_store(rows=_, slots=_)
-v5 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
-v6 = _c10d_functional.wait_tensor(v5)
-v7 = cpgraph.take_rows(_, in14)
-v8 = cpgraph.take_rows(_, in14)
-v9 = cpgraph.indexer_topk(_, _, _, in21, in22, 16, 1073741824)
-v10 = cpgraph.kv_layer_written(layer=0)
-v11 = cpgraph.sparse_mla(v0, _, v9, 0.229187, 32)
-v12 = cpgraph.compact_valid_static(_, _)
-v13 = cpgraph.moe_experts(_, _, _, in27, in28, _)
-v14 = cpgraph.restore_compute_static(_, _)
-v15 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
-v16 = _c10d_functional.wait_tensor(v15)""")
+v4 = cpgraph.paged_gather(_, in13)
+v5 = cpgraph.paged_store(rows=_, slots=_)
+v6 = cpgraph.paged_gather(_, in13)
+v7 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v8 = _c10d_functional.wait_tensor(v7)
+v9 = cpgraph.take_rows(_, in14)
+v10 = cpgraph.take_rows(_, in14)
+v11 = cpgraph.indexer_topk(_, _, _, in21, in22, 16, 1073741824)
+v12 = cpgraph.kv_layer_written(layer=0)
+v13 = cpgraph.sparse_mla(v0, _, v11, 0.229187, 32)
+v14 = cpgraph.compact_valid_static(_, _)
+v15 = cpgraph.moe_experts(_, _, _, in27, in28, _)
+v16 = cpgraph.restore_compute_static(_, _)
+v17 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v18 = _c10d_functional.wait_tensor(v17)""")
         self.assertExpectedInline(r["deltas"], """\
 materialize_kv_by_owner: aten.gt +1, aten.where +1, cpgraph.cp_materialize_kv +1, cpgraph.kv_compose -2
 read_kv_in_place: no change
@@ -281,7 +286,7 @@ compact_moe_rows: aten.le +1, cpgraph.compact_valid_static +1, cpgraph.restore_c
 gather_output_rows: cpgraph.cp_last_tokens +1, cpgraph.take_rows -1
 lower_cp_collectives: _c10d_functional.all_gather_into_tensor +2, _c10d_functional.wait_tensor +2, cpgraph.cp_last_tokens -1, cpgraph.cp_materialize_kv -1, cpgraph.take_rows +2""")
         self.assertExpectedInline(repr(r["before"]), """{'cpgraph.indexer_topk': 1, 'cpgraph.kv_compose': 2, 'cpgraph.kv_layer_ready': 1, 'cpgraph.kv_layer_written': 1, 'cpgraph.mla_dense_pack': 1, 'cpgraph.mla_query': 1, 'cpgraph.moe_experts': 1, 'cpgraph.paged_gather': 2, 'cpgraph.paged_store': 2, 'cpgraph.sparse_mla': 1, 'cpgraph.take_rows': 1}""")
-        self.assertExpectedInline(repr(r["after"]), """{'_c10d_functional.all_gather_into_tensor': 2, '_c10d_functional.wait_tensor': 2, 'cpgraph.compact_valid_static': 1, 'cpgraph.indexer_topk': 1, 'cpgraph.kv_layer_ready': 1, 'cpgraph.kv_layer_written': 1, 'cpgraph.mla_dense_pack': 1, 'cpgraph.mla_query': 1, 'cpgraph.moe_experts': 1, 'cpgraph.paged_store': 2, 'cpgraph.restore_compute_static': 1, 'cpgraph.sparse_mla': 1, 'cpgraph.take_rows': 2}""")
+        self.assertExpectedInline(repr(r["after"]), """{'_c10d_functional.all_gather_into_tensor': 2, '_c10d_functional.wait_tensor': 2, 'cpgraph.compact_valid_static': 1, 'cpgraph.indexer_topk': 1, 'cpgraph.kv_layer_ready': 1, 'cpgraph.kv_layer_written': 1, 'cpgraph.mla_dense_pack': 1, 'cpgraph.mla_query': 1, 'cpgraph.moe_experts': 1, 'cpgraph.paged_gather': 2, 'cpgraph.paged_store': 2, 'cpgraph.restore_compute_static': 1, 'cpgraph.sparse_mla': 1, 'cpgraph.take_rows': 2}""")
 
     def test_glm_cp2_graph_and_op_counts(self):
         r = cp_results(2)[0]["glm_moe_dsa"]
@@ -290,28 +295,31 @@ v0 = cpgraph.mla_query(_, _, _, _)
 v1 = cpgraph.kv_layer_ready(layer=0)
 v2 = cpgraph.mla_dense_pack(_, _)
 v3 = cpgraph.paged_store(rows=v2, slots=_)
-v4 = cpgraph.paged_store(rows=_, slots=_)
-v5 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
-v6 = _c10d_functional.wait_tensor(v5)
-v7 = cpgraph.take_rows(_, in14)
-v8 = cpgraph.take_rows(_, in14)
-v9 = cpgraph.indexer_topk(_, _, _, in21, in22, 16, 1073741824)
-v10 = cpgraph.kv_layer_written(layer=0)
-v11 = cpgraph.sparse_mla(v0, _, v9, 0.176777, 32)
-v12 = cpgraph.mla_query(_, _, _, _)
-v13 = cpgraph.kv_layer_ready(layer=1)
-v14 = cpgraph.mla_dense_pack(_, _)
-v15 = cpgraph.paged_store(rows=v14, slots=_)
-v16 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
-v17 = _c10d_functional.wait_tensor(v16)
-v18 = cpgraph.take_rows(_, in14)
-v19 = cpgraph.kv_layer_written(layer=1)
-v20 = cpgraph.sparse_mla(v12, _, v9, 0.176777, 32)
-v21 = cpgraph.compact_valid_static(_, _)
-v22 = cpgraph.moe_experts(_, _, _, in40, in41, _)
-v23 = cpgraph.restore_compute_static(_, _)
-v24 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
-v25 = _c10d_functional.wait_tensor(v24)""")
+v4 = cpgraph.paged_gather(_, in13)
+v5 = cpgraph.paged_store(rows=_, slots=_)
+v6 = cpgraph.paged_gather(_, in13)
+v7 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v8 = _c10d_functional.wait_tensor(v7)
+v9 = cpgraph.take_rows(_, in14)
+v10 = cpgraph.take_rows(_, in14)
+v11 = cpgraph.indexer_topk(_, _, _, in21, in22, 16, 1073741824)
+v12 = cpgraph.kv_layer_written(layer=0)
+v13 = cpgraph.sparse_mla(v0, _, v11, 0.176777, 32)
+v14 = cpgraph.mla_query(_, _, _, _)
+v15 = cpgraph.kv_layer_ready(layer=1)
+v16 = cpgraph.mla_dense_pack(_, _)
+v17 = cpgraph.paged_store(rows=v16, slots=_)
+v18 = cpgraph.paged_gather(_, in13)
+v19 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v20 = _c10d_functional.wait_tensor(v19)
+v21 = cpgraph.take_rows(_, in14)
+v22 = cpgraph.kv_layer_written(layer=1)
+v23 = cpgraph.sparse_mla(v14, _, v11, 0.176777, 32)
+v24 = cpgraph.compact_valid_static(_, _)
+v25 = cpgraph.moe_experts(_, _, _, in40, in41, _)
+v26 = cpgraph.restore_compute_static(_, _)
+v27 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v28 = _c10d_functional.wait_tensor(v27)""")
         self.assertExpectedInline(r["deltas"], """\
 materialize_kv_by_owner: aten.gt +1, aten.where +1, cpgraph.cp_materialize_kv +2, cpgraph.kv_compose -3
 read_kv_in_place: no change
@@ -319,7 +327,7 @@ compact_moe_rows: aten.le +1, cpgraph.compact_valid_static +1, cpgraph.restore_c
 gather_output_rows: cpgraph.cp_last_tokens +1, cpgraph.take_rows -1
 lower_cp_collectives: _c10d_functional.all_gather_into_tensor +3, _c10d_functional.wait_tensor +3, cpgraph.cp_last_tokens -1, cpgraph.cp_materialize_kv -2, cpgraph.take_rows +3""")
         self.assertExpectedInline(repr(r["before"]), """{'cpgraph.indexer_topk': 1, 'cpgraph.kv_compose': 3, 'cpgraph.kv_layer_ready': 2, 'cpgraph.kv_layer_written': 2, 'cpgraph.mla_dense_pack': 2, 'cpgraph.mla_query': 2, 'cpgraph.moe_experts': 1, 'cpgraph.paged_gather': 3, 'cpgraph.paged_store': 3, 'cpgraph.sparse_mla': 2, 'cpgraph.take_rows': 1}""")
-        self.assertExpectedInline(repr(r["after"]), """{'_c10d_functional.all_gather_into_tensor': 3, '_c10d_functional.wait_tensor': 3, 'cpgraph.compact_valid_static': 1, 'cpgraph.indexer_topk': 1, 'cpgraph.kv_layer_ready': 2, 'cpgraph.kv_layer_written': 2, 'cpgraph.mla_dense_pack': 2, 'cpgraph.mla_query': 2, 'cpgraph.moe_experts': 1, 'cpgraph.paged_store': 3, 'cpgraph.restore_compute_static': 1, 'cpgraph.sparse_mla': 2, 'cpgraph.take_rows': 3}""")
+        self.assertExpectedInline(repr(r["after"]), """{'_c10d_functional.all_gather_into_tensor': 3, '_c10d_functional.wait_tensor': 3, 'cpgraph.compact_valid_static': 1, 'cpgraph.indexer_topk': 1, 'cpgraph.kv_layer_ready': 2, 'cpgraph.kv_layer_written': 2, 'cpgraph.mla_dense_pack': 2, 'cpgraph.mla_query': 2, 'cpgraph.moe_experts': 1, 'cpgraph.paged_gather': 3, 'cpgraph.paged_store': 3, 'cpgraph.restore_compute_static': 1, 'cpgraph.sparse_mla': 2, 'cpgraph.take_rows': 3}""")
 
     def test_single_device_op_counts(self):
         for model_type in MODELS:

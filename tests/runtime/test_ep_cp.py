@@ -48,8 +48,8 @@ MOE_LAYER = 1
 
 WORLD = 2
 # (prompt lengths, cached prefix lengths, route every row to rank 0's experts); >= 2 requests in
-# each pass (a batch dimension of 1 specializes: a graph of its own), so one compile per pass kind
-# (with and without a cached prefix) serves every batch.
+# each pass (a batch dimension of 1 specializes: a graph of its own), so one compile serves every
+# pass, with and without a cached prefix (build_batch never gives prefix_slots 0 or 1 rows).
 BATCHES = [
     ([96, 40, 17, 130], [64, 0, 0, 16], False),  # mixed lengths, prefix hits, page-tail slack
     ([17, 1, 33, 2], [16, 0, 32, 0], False),  # tiny extends: ranks with no real row

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cpgraph.models import build_batch, tiny_model
+from cpgraph.models.batch import MIN_PREFIX_ROWS
 from cpgraph.models.prefill import make_layout
 from cpgraph.plan import plan_prefill
 from cpgraph.runtime.engine import pool_config, pool_tensors
@@ -73,6 +74,8 @@ def test_padded_batch_matches_unpadded_eager():
         prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
         ids, meta, tables = _batch(runner, pool, prompts, 0, "cpu")
         assert ids.shape[0] in runner.row_buckets and (meta.positions.shape[0] == ids.shape[0])
+        # No cached prefix: build_batch's MIN_PREFIX_ROWS -1 rows are the bucket's P (not the smallest KV bucket).
+        assert runner.bucket_for(ids, meta).prefix_rows == meta.prefix_slots.shape[0] == MIN_PREFIX_ROWS
         got = runner(ids, meta)
         _release(pool, tables)
         plain = plan_prefill([0] * len(lens), lens, cp_size=1, page_size=PAGE)

@@ -37,8 +37,8 @@ from row_invariant import row_invariant_matmul  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.bitexact]
 
-# (prompt lengths, cached prefix lengths).  One batch: every further batch could cost a rank whose
-# share of the prefix changes between empty and not another graph.
+# (prompt lengths, cached prefix lengths).  One batch; its prefix pass and its extend pass share a
+# graph (build_batch never gives prefix_slots 0 or 1 rows).
 # 1- and 2-token extends, prefix hits, page-tail slack, prompts longer than index_topk (48): the
 # draft's own indexer selects.
 BATCH = ([40, 17, 33, 2, 70, 29], [16, 0, 32, 0, 64, 16])
