@@ -24,30 +24,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_utils import TIMEOUT, aget, apost, get, logprob_table, metric, post, post_many  # noqa: E402
 
-from cpgraph.models import from_pretrained  # noqa: E402
-from cpgraph.models.prefill import make_layout, prefill_logits  # noqa: E402
+from cpgraph.models.prefill import prefill_logits  # noqa: E402
 from cpgraph.runtime.prefill_engine import PrefillEngine  # noqa: E402
 from cpgraph.runtime.scheduler import SchedulerConfig  # noqa: E402
 from cpgraph.serve.app import PrefillServer  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5  # |logprob| difference allowed between batch shapes (fp32 tiny model)
 PAGE = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the 2-core CI machine runs the engine and the client side by side."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = from_pretrained("tiny-glm5").eval()
-    m.kv_layout = make_layout(m, "bf16", PAGE)
-    return m
 
 
 def _forward(model):

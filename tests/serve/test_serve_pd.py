@@ -42,14 +42,6 @@ from cpgraph.transfer.status import RoomStatus  # noqa: E402
 PAGE = 16
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_decode_room_receives_the_prefill_pool_bytes(one_thread):
     model = from_pretrained("tiny-glm5").eval()
     model.kv_layout = make_layout(model, "bf16", PAGE)

@@ -22,29 +22,14 @@ import random
 import pytest
 import torch
 
-from cpgraph.models import from_pretrained
 from cpgraph.models.prefill import make_layout, prefill_logits
 from cpgraph.runtime.prefill_engine import _compiles, engine_request
 from cpgraph.serve.metrics import ServeMetrics
 from cpgraph.serve.node import ServeSpec, build_engine, make_forward, warm_up
 
 PAGE, BUDGET, MAX_REQ, CAP = 16, 64, 4, 256
+pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = from_pretrained("tiny-glm5").eval()
-    m.kv_layout = make_layout(m, "bf16", PAGE)
-    return m
 
 
 def _spec(**kw):
