@@ -31,6 +31,7 @@ own inputs.  See docs/ops/fp8_linear.md.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -162,6 +163,7 @@ def _grouped_gemm_kernel(
 
 
 TILES_ENV = "CPGRAPH_FP8_GROUPED_TILES"
+GROUP_T = 16  # row tiles per group of the default raster order (see _gemm_tiles); never changes bits
 
 
 def _gemm_tiles(rows: int, experts: int) -> tuple[int, ...]:
@@ -186,16 +188,20 @@ def _gemm_tiles(rows: int, experts: int) -> tuple[int, ...]:
     if interpreting():
         return 32, 32, 4, 1, 1
     env = os.environ.get(TILES_ENV, "")
-    if env:
-        try:
-            vals = tuple(int(v) for v in env.split(","))
-        except ValueError:
-            vals = ()
-        if len(vals) not in (4, 5, 6) or min(vals[:5]) < 1:
-            raise ValueError(f"{TILES_ENV} must be BM,BN,warps,stages[,group_t[,pair_k]] (positive ints, pair_k 0 "
-                             f"or 1), got {env!r}")
-        return vals
-    return 64, 128, 4, 4, 16
+    return _tiles_from_env(env) if env else (64, 128, 4, 4, GROUP_T)
+
+
+@functools.lru_cache(maxsize=8)
+def _tiles_from_env(env: str) -> tuple[int, ...]:
+    """``CPGRAPH_FP8_GROUPED_TILES`` parsed once per value (the tiles are read on every call)."""
+    try:
+        vals = tuple(int(v) for v in env.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) not in (4, 5, 6) or min(vals[:5]) < 1:
+        raise ValueError(f"{TILES_ENV} must be BM,BN,warps,stages[,group_t[,pair_k]] (positive ints, pair_k 0 "
+                         f"or 1), got {env!r}")
+    return vals
 
 
 def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block_k: int, out_dtype, rows: int,

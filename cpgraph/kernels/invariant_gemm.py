@@ -54,7 +54,7 @@ from cpgraph.ops.invariant import check_invariant_mm, invariant_fp8_linear_refer
 
 from ._bits import KIND_BF16, KIND_F16, KIND_F32, load_f32, store_f32_as
 from ._launch import interpreting
-from .fp8_grouped import _tile_of, grouped_gemm, swiglu_quantize
+from .fp8_grouped import GROUP_T, _tile_of, grouped_gemm, swiglu_quantize
 from .fp8_linear import block_scaled_gemm, quantize_activations
 
 TILES_ENV = "CPGRAPH_INVARIANT_GEMM_TILES"
@@ -349,7 +349,7 @@ def invariant_moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None, ga
     plan = dispatch_plan(topk_ids, num_valid, e)
     src = plan.order // k
     if fp8:
-        t = fp8_tiles() + (1 if interpreting() else 16,)  # the raster order (group_t) never changes bits
+        t = fp8_tiles() + (1 if interpreting() else GROUP_T,)  # the raster order (group_t) never changes bits
         xq, xs = quantize_activations(x, block_k, act_scale_pow2)
         h = grouped_gemm(xq, xs, src, gate_up, gate_up_scale, plan.group_ends, block_n, block_k, x.dtype, m * k,
                          tiles=t)
