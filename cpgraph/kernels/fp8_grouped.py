@@ -146,11 +146,11 @@ def _grouped_gemm_kernel(
         if LOOP_WHILE:  # the interpreter cannot take a runtime bound in range()
             k0 = 0
             while k0 < K:
-                acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk,
-                              BK, SB_SCALAR, EVEN_K)
                 if PAIR_K:
-                    acc = _k_step(acc, a_ptrs + k0 + BK, b_ptrs + k0 + BK, sa_ptrs, sb_ptrs, stride_sak, k0 + BK, K,
-                                  ok_m, ok_n, rk, BK, SB_SCALAR, EVEN_K)
+                    acc = _k_pair(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, ok_m, ok_n, BK)
+                else:
+                    acc = _k_step(acc, a_ptrs + k0, b_ptrs + k0, sa_ptrs, sb_ptrs, stride_sak, k0, K, ok_m, ok_n, rk,
+                                  BK, SB_SCALAR, EVEN_K)
                 k0 += STEP
         elif PAIR_K:
             for k0 in range(0, K, STEP):

@@ -192,6 +192,32 @@ def test_triton_provider_matches_reference(M, H, I, E, k, block, dtype, pow2):
 
 
 @needs_kernels
+@pytest.mark.parametrize("launch", [(2, False), (3, True), (1, True)], ids=["groups", "groups+pairs", "pairs"])
+def test_grouped_gemm_launch_forms_keep_the_bits(launch):
+    """The grouped raster order and paired K blocks change only the schedule: the same bits as the 2-D grid.
+
+    K = 256 is two 128-blocks, so the paired path runs (it needs whole pairs and one weight-scale block
+    per column tile); groups of 2 and 3 row tiles split the tiles unevenly, the last group short.
+    """
+    from cpgraph.kernels.fp8_grouped import grouped_gemm
+    from cpgraph.ops.moe import dispatch_plan
+
+    group_t, pair_k = launch
+    dev = kernel_device()
+    M, k = 37, 2
+    x, ids, _, gu, _, gus, _ = make_inputs(M=M, H=256, I=64, E=5, k=k, device=dev)
+    plan = dispatch_plan(ids, torch.tensor([M], device=dev), gu.shape[0])
+    xq, xs = quantize_activations(x, 128, False)
+    base = (32, 32, 4, 1) if dev == "cpu" else (64, 128, 4, 4)
+    if pair_k and dev != "cpu":
+        base = (128, 128, 8, 3)
+    args = (xq, xs, plan.order // k, gu, gus, plan.group_ends, 128, 128, torch.float32, M * k)
+    want = grouped_gemm(*args, tiles=base)
+    got = grouped_gemm(*args, tiles=base + (group_t, int(pair_k)))
+    assert torch.equal(got, want)
+
+
+@needs_kernels
 def test_triton_provider_through_the_op_with_skewed_routing():
     """The registered provider end to end; one expert gets every row (its group spans several row tiles)."""
     from cpgraph.kernels import moe as kernel
