@@ -16,11 +16,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_utils import get, logprob_table, metric, post  # noqa: E402
-from test_serve import PAGE, TOL, _forward, model, one_thread  # noqa: E402,F401  (module fixtures)
+from test_serve import PAGE, TOL, _forward  # noqa: E402  (model and one_thread: conftest.py)
 
 from cpgraph.runtime.prefill_engine import PrefillEngine  # noqa: E402
 from cpgraph.runtime.scheduler import SchedulerConfig  # noqa: E402
 from cpgraph.serve.app import PrefillServer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _serve(model, store):
