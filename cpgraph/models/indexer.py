@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from .batch import BatchMeta, KVLayout
 from .config import DSAConfig
+from .fp32_linear import fp32_linear
 from .layers import ROPE_STYLES
 
 _ops = torch.ops.cpgraph
@@ -78,7 +79,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_lat).view(M, self.n_heads, self.head_dim)
         q = self._rope_first(q, cos, sin)
         k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
+        w = fp32_linear(x, self.weights_proj.weight) * self.weight_scale  # fp32 by definition (models/fp32_linear.py)
 
         if layout.kv_format == "fp8":
             q = _ops.hadamard(q)

@@ -35,13 +35,13 @@ from contextvars import ContextVar
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import cpgraph.ops.expert_parallel  # noqa: F401  (registers cpgraph::moe_dispatch / moe_combine)
 import cpgraph.ops.moe  # noqa: F401  (registers cpgraph::moe_experts)
 
 from .config import DSAConfig
+from .fp32_linear import fp32_linear
 from .layers import MLP
 
 _ops = torch.ops.cpgraph
@@ -66,7 +66,7 @@ class Router(nn.Module):
         The scores are fp32 by the model's definition (``x`` is upcast for
         the ``[rows, E]`` logits only; nothing downstream keeps the copy).
         """
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = fp32_linear(x, self.weight).sigmoid()  # on CUDA: tensor cores, same product (models/fp32_linear.py)
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1).values.sum(-1)
