@@ -4,7 +4,8 @@ The expert GEMMs are ``torch._grouped_mm`` (CUTLASS grouped GEMM on SM90,
 bf16 in, fp32 accumulation); the dispatch is the op module's
 :func:`~cpgraph.ops.moe.dispatch_plan`.  What Triton adds is the weighted
 combine (:mod:`.moe_combine`: fp32 in registers, a fixed slot order, so a
-row's result depends only on that row).
+row's result depends only on that row) and, on CUDA, the SwiGLU between the
+GEMMs (:mod:`.swiglu`: one pass over the routed rows).
 
 FP8 experts (e4m3 stacks with block scales) take the Triton grouped FP8
 GEMM of :mod:`.fp8_grouped` instead.
@@ -27,6 +28,7 @@ from cpgraph.ops.providers import REFERENCE
 from .fp8_grouped import moe_experts_fp8
 from .moe_combine import combine
 from .provider_name import PROVIDER_NAME
+from .swiglu import swiglu
 
 
 def grouped_mm_refusal(x: Tensor, gate_up: Tensor) -> str:
@@ -54,7 +56,10 @@ def moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None, gate_up_scal
         ledger.fell_back("moe_experts", x.device.type, REFERENCE, grouped_mm_refusal(x, gate_up),
                          instead_of=PROVIDER_NAME)
         return moe_experts_reference(x, topk_ids, topk_w, gate_up, down, num_valid)
-    return moe_experts_grouped(x, topk_ids, topk_w, gate_up, down, num_valid, combine=combine)
+    # On CUDA the SwiGLU between the GEMMs is one Triton kernel (.swiglu); on CPU the eager form stays, so the
+    # CPU numerics of this path are unchanged (the kernel's own tests run it under the interpreter).
+    act = swiglu if x.is_cuda else None
+    return moe_experts_grouped(x, topk_ids, topk_w, gate_up, down, num_valid, combine=combine, swiglu=act)
 
 
 __all__ = ["combine", "grouped_mm_refusal", "moe_experts"]

@@ -225,8 +225,12 @@ def moe_experts_grouped(
     num_valid=None,
     *,
     combine: Callable[[Tensor, Tensor, Tensor, torch.dtype], Tensor] = combine_reference,
+    swiglu: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Dispatch + grouped GEMMs; equals :func:`moe_experts_reference` within rounding.
+
+    ``swiglu(h, group_ends)`` (a provider's fused kernel) replaces the eager
+    ``silu(gate) * up``; it may leave rows past ``group_ends[-1]`` unwritten.
 
     ``torch._grouped_mm(A [C, K], B [E, K, N], offs)`` multiplies rows
     ``[offs[e-1], offs[e])`` of ``A`` by ``B[e]``; rows past ``offs[-1]`` are
@@ -237,8 +241,11 @@ def moe_experts_grouped(
     plan = dispatch_plan(topk_ids, num_valid, gate_up.shape[0])
     xs = x.index_select(0, plan.order // k)  # [C, H]
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=plan.group_ends)  # [C, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    act = F.silu(gate) * up
+    if swiglu is not None:
+        act = swiglu(h, plan.group_ends)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate) * up
     y = torch._grouped_mm(act, down.transpose(1, 2), offs=plan.group_ends)  # [C, H]
     return combine(y, plan.slot_pos, topk_w, x.dtype)
 
