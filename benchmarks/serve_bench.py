@@ -45,6 +45,8 @@ waiting for a core.
         --requests 64 --token-budget 512                                      # CPU check (minutes)
     python benchmarks/serve_bench.py --device cuda --model kernel --backend inductor --cuda-graphs \\
         --page 64 --num-pages 8192 --token-budget 8192 --requests 256 --out serve_h200.json   # one H200
+    python benchmarks/serve_bench.py --device cuda --model production --backend inductor --cuda-graphs \
+        --page 64 --num-pages 4096 --token-budget 8192 --requests 128 --out serve_h200_v32.json   # V3.2 layers
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ def build_server(args):
 
     if args.model == "tiny":
         model = from_pretrained("tiny-glm5", device=args.device).eval()
+    elif args.model == "production":
+        # Two DeepSeek-V3.2 layers at the released sizes (one dense, one MoE with 256 experts), random weights
+        # drawn on the device: the stack of benchmarks/production_shape.py (tiny sizes on CPU).
+        from production_shape import bench_config, build_random_model
+
+        model = build_random_model(bench_config("v32", 2, tiny=args.device == "cpu"), args.device)
     else:
         from cuda_graph_bench import kernel_shaped_model
 
@@ -560,7 +568,9 @@ def _load() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=("tiny", "kernel"), default="tiny")
+    ap.add_argument("--model", choices=("tiny", "kernel", "production"), default="tiny",
+                    help="tiny-glm5; the kernel-shaped model (hidden 2048, 8 experts); two DeepSeek-V3.2 layers at "
+                         "the released sizes (random weights; tiny sizes on CPU)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--backend", choices=("eager", "aot_eager", "inductor"), default="eager")
     ap.add_argument("--cuda-graphs", action="store_true")
