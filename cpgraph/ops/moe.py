@@ -226,11 +226,13 @@ def moe_experts_grouped(
     *,
     combine: Callable[[Tensor, Tensor, Tensor, torch.dtype], Tensor] = combine_reference,
     swiglu: Callable[[Tensor, Tensor], Tensor] | None = None,
+    take_rows: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Dispatch + grouped GEMMs; equals :func:`moe_experts_reference` within rounding.
 
     ``swiglu(h, group_ends)`` (a provider's fused kernel) replaces the eager
     ``silu(gate) * up``; it may leave rows past ``group_ends[-1]`` unwritten.
+    ``take_rows(x, index)`` (a provider's row gather) replaces ``index_select``.
 
     ``torch._grouped_mm(A [C, K], B [E, K, N], offs)`` multiplies rows
     ``[offs[e-1], offs[e])`` of ``A`` by ``B[e]``; rows past ``offs[-1]`` are
@@ -239,7 +241,8 @@ def moe_experts_grouped(
     """
     k = topk_ids.shape[1]
     plan = dispatch_plan(topk_ids, num_valid, gate_up.shape[0])
-    xs = x.index_select(0, plan.order // k)  # [C, H]
+    src = plan.order // k
+    xs = take_rows(x, src) if take_rows is not None else x.index_select(0, src)  # [C, H]
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=plan.group_ends)  # [C, 2I]
     if swiglu is not None:
         act = swiglu(h, plan.group_ends)
