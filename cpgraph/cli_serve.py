@@ -42,6 +42,10 @@ EXAMPLES: dict[str | None, str] = {
     "--cuda-graphs": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --cuda-graphs",
     "--kv-transfer": "cpgraph serve --model tiny-glm5 --kv-transfer",
     "--warmup-tokens": "cpgraph serve --model tiny-glm5 --warmup-tokens 0",
+    "--warmup-prefix-tokens": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --cuda-graphs "
+                              "--warmup-prefix-tokens 1024",
+    "--own-kv-buckets": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --cuda-graphs "
+                        "--own-kv-buckets --warmup-prefix-tokens 0",
     "--timeout": "cpgraph serve --model tiny-glm5 --cp 2 --backend aot_eager --timeout 1800",
     "--quiet": "cpgraph serve --model tiny-glm5 --quiet",
     "--deterministic": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --deterministic",
@@ -104,6 +108,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "names their addresses, a request's kv_transfer.room sends its KV there")
     s.add_argument("--warmup-tokens", type=int, default=64,
                    help="tokens of the warm-up request run before /health turns 200 (default 64; 0 = none)")
+    s.add_argument("--warmup-prefix-tokens", type=int, default=None, metavar="N",
+                   help="with --cuda-graphs: the warm-up prepares the buckets of steps with up to N cached-prefix "
+                        "rows; a step past it captures its bucket under load (default: the token budget; 0 = only "
+                        "the no-prefix buckets)")
+    s.add_argument("--own-kv-buckets", action="store_true",
+                   help="with --cuda-graphs: KV-view rows bucketed on their own (less padding, several buckets per "
+                        "row and prefix bucket: many more to warm, so pair it with a small --warmup-prefix-tokens) "
+                        "instead of derived from the row and prefix buckets")
     s.add_argument("--timeout", type=float, default=600.0,
                    help="with --cp: seconds the rendezvous and each collective may wait (default 600)")
     s.add_argument("--quiet", action="store_true",
@@ -145,6 +157,12 @@ def spec_from_args(args):
         _positive(flag, v)
     _positive("--host-pages", args.host_pages, 0)
     _positive("--warmup-tokens", args.warmup_tokens, 0)
+    if args.warmup_prefix_tokens is not None:
+        _positive("--warmup-prefix-tokens", args.warmup_prefix_tokens, 0)
+    for flag, given in (("--warmup-prefix-tokens", args.warmup_prefix_tokens is not None),
+                        ("--own-kv-buckets", args.own_kv_buckets)):
+        if given and not args.cuda_graphs:
+            raise InputError(f"{flag} applies to the --cuda-graphs buckets; add --cuda-graphs")
     if args.token_budget < args.page:
         raise InputError(f"--token-budget must be at least a page ({args.page}), got {args.token_budget}")
     if args.chunk_tokens is not None and (args.chunk_tokens < args.page or args.chunk_tokens % args.page
@@ -180,6 +198,7 @@ def spec_from_args(args):
                      max_batch_requests=args.max_batch_requests, max_queue=args.max_queue,
                      max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout or None,
                      cuda_graphs=args.cuda_graphs, kv_transfer=args.kv_transfer, warmup_tokens=args.warmup_tokens,
+                     warmup_prefix_tokens=args.warmup_prefix_tokens, derive_kv_bucket=not args.own_kv_buckets,
                      timeout=args.timeout, log_level=logging.getLogger("cpgraph").level,
                      deterministic=args.deterministic)
 

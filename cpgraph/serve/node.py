@@ -175,13 +175,15 @@ def warm_up(engine, tokens: int, prefix_tokens: int | None = None) -> None:
         if cfg.max_batch_requests >= 2:
             run(base + rand(5), base + rand(7))  # several requests over a cached prefix (P 4 pages, M 12)
     runners = getattr(engine.cache.forward, "runners", None) or {}
-    prepared = 0
+    prepared, where = 0, []
     for runner in runners.values():
         budget = min(cfg.token_budget, runner.row_buckets[-1])
         cap = cfg.token_budget if prefix_tokens is None else prefix_tokens
         prepared += runner.warm(runner.reachable_buckets(budget, ps, min(cap, runner.kv_buckets[-1])))
-    log.info("cpgraph serve: warm-up ran in %.1f s (%d CUDA-graph bucket(s) prepared on padding rows)",
-             time.perf_counter() - t0, prepared)
+        if runner.last_warm is not None and runner.last_warm.count:
+            where.append(runner.last_warm.line())  # forward warm-up vs capture vs gc: where the time goes
+    log.info("cpgraph serve: warm-up ran in %.1f s (%d CUDA-graph bucket(s) prepared on padding rows%s)",
+             time.perf_counter() - t0, prepared, "".join(f"; {w}" for w in where))
     engine.reset_cache()
 
 

@@ -223,3 +223,96 @@ def test_graphed_forward_in_the_cache_engine():
     assert outs["graphed"]["hits"] == outs["eager"]["hits"] and outs["graphed"]["hits"][1]["device"] > 0
     (runner,) = graphed.runners.values()  # one persistent pool: one runner, the two passes' shapes
     assert len(runner.stats) == 2 and all(s.replays == 1 for s in runner.stats.values())
+
+
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+class _FakeGraph:
+    def replay(self):
+        pass
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    """The capture path of ``GraphRunner._prepare`` on CPU: ``torch.cuda``'s stream, graph and memory calls
+    stubbed, so the warm-up calls, the capture call and the garbage collections can be counted."""
+    import contextlib
+    import gc
+
+    monkeypatch.setattr(GraphRunner, "_capturing", lambda self, device: True)
+    for name, fake in (("Stream", lambda device=None: _FakeStream()),
+                       ("current_stream", lambda device=None: _FakeStream()),
+                       ("stream", lambda s: contextlib.nullcontext()), ("synchronize", lambda device=None: None),
+                       ("empty_cache", lambda: None), ("memory_reserved", lambda device=None: 0),
+                       ("graph_pool_handle", lambda: object()), ("CUDAGraph", _FakeGraph),
+                       ("graph", lambda g, pool=None: contextlib.nullcontext())):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, fake)
+    collects = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collects.append(a) or real(*a))
+    return collects
+
+
+def _counting_runner(pool, **kw):
+    calls = []
+
+    def forward(ids, meta):
+        calls.append(ids.shape[0])
+        return torch.zeros(meta.last_token_index.shape[0], 8)
+
+    runner = GraphRunner(forward, max_requests=4, row_buckets=(16, 32, 64), kv_buckets=(64, 128, 256), **kw)
+    ids, meta, _ = _batch(runner, pool, [[1] * 5], 0, "cpu")
+    return runner, calls, ids, meta
+
+
+@torch.no_grad()
+def test_capture_collects_once_per_warm_and_never_on_first_use(fake_capture):
+    """gc.collect() cost ~0.4 s per bucket on the H200: at most one per warm(), none on a first-use capture."""
+    _, pool, _, _ = _setup()
+    runner, calls, ids, meta = _counting_runner(pool, warmup_calls=3)
+    runner(ids, meta)  # first use under load: warm-up calls and a capture, no collection
+    assert fake_capture == [] and calls == [16] * 4  # warmup_calls on the runner's first bucket, then the capture
+    assert runner.stats[runner.bucket_for(ids, meta)].calls == 3
+    buckets = runner.reachable_buckets(64, PAGE)
+    assert len(buckets) > 3
+    calls.clear()
+    n = runner.warm(buckets)
+    assert n == len(buckets) - 1 and len(fake_capture) <= 1  # one collection for the whole warm-up
+    assert len(calls) == 2 * n  # later buckets: one warm-up call each, then the capture
+    assert runner.warm(buckets) == 0 and len(fake_capture) <= 1  # nothing to prepare: no collection
+    fake_capture.clear()
+    extra = runner.reachable_buckets(64, PAGE, 2 * PAGE)
+    ids2, meta2, _ = _batch(runner, pool, [[2] * 40], 32, "cpu")  # a cached prefix: a bucket not warmed yet
+    assert runner.bucket_for(ids2, meta2) not in runner.stats and runner.bucket_for(ids2, meta2) in extra
+    runner(ids2, meta2)
+    assert fake_capture == []
+
+
+@torch.no_grad()
+def test_warm_first_bucket_gets_warmup_calls(fake_capture):
+    _, pool, _, _ = _setup()
+    runner, calls, ids, meta = _counting_runner(pool, warmup_calls=2)
+    runner._like = (meta, ids.device)  # a real batch's dtypes, without preparing its bucket
+    buckets = runner.reachable_buckets(32, PAGE)
+    assert runner.warm(buckets) == len(buckets) >= 2
+    got = [s.calls for s in runner.stats.values()]
+    assert got == [2] + [1] * (len(buckets) - 1) and len(calls) == sum(got) + len(buckets)
+    assert all(r["warmup_calls"] == c for r, c in zip(runner.capture_report(), got))
+
+
+@torch.no_grad()
+def test_warm_summary_counts_the_buckets_it_prepared():
+    _, pool, _, _ = _setup()
+    runner, calls, ids, meta = _counting_runner(pool)
+    runner(ids, meta)  # on CPU: one call to prepare its bucket, one to answer
+    buckets = runner.reachable_buckets(64, PAGE)
+    assert runner.last_warm is None
+    n = runner.warm(buckets + buckets[:2])  # repeats are prepared once
+    s = runner.last_warm
+    assert n == s.count == len(buckets) - 1 == len(calls) - 2
+    assert s.total_s >= s.warmup_s + s.capture_s + s.collect_s - 1e-9 and s.capture_s == 0 == s.collect_s  # CPU
+    assert s.line().startswith(f"{n} bucket(s) in ")
+    assert runner.warm(buckets) == 0 and runner.last_warm.count == 0

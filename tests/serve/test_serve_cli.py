@@ -24,3 +24,29 @@ def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("cpgraph serve: error:") and err.count("\n") == 1, err
+
+
+BAD_WARM = [
+    (["--model", "tiny-glm5", "--cuda-graphs", "--warmup-prefix-tokens", "-1"], "--warmup-prefix-tokens must be >= 0"),
+    (["--model", "tiny-glm5", "--warmup-prefix-tokens", "64"], "--warmup-prefix-tokens applies to the --cuda-graphs"),
+    (["--model", "tiny-glm5", "--own-kv-buckets"], "--own-kv-buckets applies to the --cuda-graphs"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_WARM, ids=["negative", "prefix-without-graphs", "own-without-graphs"])
+def test_bad_warm_up_flags_are_one_line_errors(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("cpgraph serve: error:") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("extra,prefix,derive", [([], None, True),
+                                                 (["--warmup-prefix-tokens", "0"], 0, True),
+                                                 (["--warmup-prefix-tokens", "1024", "--own-kv-buckets"], 1024, False)])
+def test_warm_up_flags_reach_the_spec(extra, prefix, derive):
+    from cpgraph.cli import build_parser
+    from cpgraph.cli_serve import spec_from_args
+
+    args = build_parser().parse_args(["serve", "--model", "tiny-glm5", "--device", "cuda", "--cuda-graphs", *extra])
+    spec = spec_from_args(args)  # checks the flags only: no model is loaded, no GPU is needed
+    assert (spec.warmup_prefix_tokens, spec.derive_kv_bucket) == (prefix, derive)
