@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._bits import KIND_BF16, KIND_F16, KIND_F32, load_f32, store_f32_as
+from ._bits import KIND_BF16, KIND_F16, KIND_F32, bf16_bits, load_f32, store_f32_as
 from ._launch import interpreting
 
 _KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
@@ -32,9 +32,7 @@ _KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIN
 def _round_to(v, KIND: tl.constexpr):
     """fp32 -> the operand dtype and back (the eager kernels' intermediate rounding)."""
     if KIND == 1:
-        b = v.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        return tl.where((b & 0x7FFFFFFF) > 0x7F800000, v, r.to(tl.float32, bitcast=True))
+        return (bf16_bits(v).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     elif KIND == 2:
         return v.to(tl.float16).to(tl.float32)
     else:
