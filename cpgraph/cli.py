@@ -110,7 +110,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         check_parallel(cp=args.cp, ep=args.ep, num_experts=cfg.n_routed_experts if moe else None)
         plan = plan_memory(cfg, tokens=args.tokens, cp=args.cp, ep=args.ep, row_bucket=args.row_bucket,
                            dtype=args.dtype, kv_format=args.kv_format, index_format=args.index_format,
-                           page_size=args.page)
+                           page_size=args.page, deterministic=args.deterministic)
     print(json.dumps(plan.to_dict()) if args.json else render_memory(plan))
     return 0
 
@@ -657,6 +657,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--index-format", choices=("bf16", "fp8"), default=None,
                    help="index-K cache: bf16 (dense) or fp8 (132 B/token at D=128) (default: as --kv-format)")
     m.add_argument("--page", type=int, default=64, help="KV page size, a power of two (default 64)")
+    m.add_argument("--deterministic", action="store_true",
+                   help="plan a forward in the deterministic mode (run --deterministic): its fp32 router and "
+                        "indexer-weight products copy the activation to fp32")
     m.add_argument("--json", action="store_true", help="print the plan as JSON")
     m.set_defaults(func=_cmd_memory)
 

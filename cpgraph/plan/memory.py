@@ -224,7 +224,50 @@ def _hadamard(t: _Tape, name: str, n_values: int, a: int) -> None:
     t.free(name + ".y_prev", name + ".y", name + ".scaled")
 
 
-def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logits_bytes: int) -> None:
+def _split_fp32_products(dtype: str, deterministic: bool) -> bool:
+    """Whether ``models/fp32_linear.py`` computes the fp32 products as its bf16 split GEMM (``uses_split``).
+
+    On CUDA it does for bf16 activations (bf16 or FP8 weights) outside the deterministic mode; with
+    fp16 or fp32 activations, or in that mode, it upcasts ``x`` and runs the fp32 GEMM.
+    """
+    return dtype in ("bf16", "bfloat16", "fp8") and not deterministic
+
+
+def _fp32_product(t: _Tape, name: str, R: int, K: int, N: int, a: int, split: bool) -> None:
+    """``fp32_linear(x [R, K], w [N, K])`` of an fp32 weight; leaves ``name`` fp32 ``[R, N]`` live.
+
+    Why two forms: on CUDA with bf16 activations (``split``) no fp32 copy of ``x`` exists -- the
+    product is one bf16 GEMM against the weight's three bf16 parts (``bf16_parts``, rebuilt each
+    call) with an fp32 ``[R, 3N]`` output, summed block by block; otherwise ``x.float()`` is a
+    ``[R, K]`` fp32 copy beside the output (none when ``x`` is fp32 already: ``.float()`` returns it).
+    """
+    if not split:
+        if a != 4:
+            t.alloc(name + ".x32", 4 * R * K)
+        t.alloc(name, 4 * R * N)
+        t.free(name + ".x32")
+        return
+    nk = N * K  # bf16_parts(w), line by line; its locals go when it returns
+    t.alloc(name + ".hi", 2 * nk)
+    t.alloc(name + ".hi32", 4 * nk)  # hi.float()
+    t.alloc(name + ".r", 4 * nk)
+    t.free(name + ".hi32")
+    t.alloc(name + ".mid", 2 * nk)
+    t.alloc(name + ".mid32", 4 * nk)  # mid.float()
+    t.alloc(name + ".r2", 4 * nk)  # r - mid.float()
+    t.free(name + ".mid32")
+    t.alloc(name + ".lo", 2 * nk)
+    t.free(name + ".r2")
+    t.alloc(name + ".parts", 3 * 2 * nk)  # cat((hi, mid, lo))
+    t.free(name + ".hi", name + ".r", name + ".mid", name + ".lo")
+    t.alloc(name + ".y", 4 * R * 3 * N)  # torch.mm(x, parts.t(), out_dtype=fp32)
+    t.free(name + ".parts")  # a temporary argument of the mm
+    t.alloc(name + ".sum", 4 * R * N)  # y[:, :n] + y[:, n:2n]
+    t.alloc(name, 4 * R * N)  # ... + y[:, 2n:]
+    t.free(name + ".sum", name + ".y")
+
+
+def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logits_bytes: int, split: bool) -> None:
     """``Indexer.forward``; leaves only its output ``topk`` int32 ``[R, topk]`` live."""
     H, hi, di, rope, topk = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.index_topk
     iq = R * hi * di * a
@@ -238,9 +281,7 @@ def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logit
     _rope(t, "ik.rot", R * rope * a)
     t.alloc("ik", R * di * a)
     t.free("ik.norm", "ik.rot")
-    t.alloc("w.x32", 4 * R * H)  # x.to(fp32) for weights_proj
-    t.alloc("w.proj", 4 * R * hi)
-    t.free("w.x32")
+    _fp32_product(t, "w.proj", R, H, hi, a, split)  # fp32_linear(x, weights_proj.weight)
     t.alloc("w", 4 * R * hi)  # * weight_scale
     t.free("w.proj")
     if index_format == "fp8":
@@ -288,7 +329,7 @@ def _chunked_topk(t: _Tape, R: int, N: int, topk: int, max_logits_bytes: int) ->
 
 
 def _attention_layer(cfg, R: int, N: int, a: int, kv_format: str, index_format: str, max_logits_bytes: int,
-                     has_prev: bool, own_indexer: bool) -> tuple[int, int]:
+                     has_prev: bool, own_indexer: bool, split: bool) -> tuple[int, int]:
     """``(peak up to the top-k, peak from sparse MLA on)`` of one ``MLAttention`` call, above the base."""
     H, heads, ql, kvl, rope = (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
                                cfg.qk_rope_head_dim)
@@ -319,7 +360,7 @@ def _attention_layer(cfg, R: int, N: int, a: int, kv_format: str, index_format: 
         t.alloc("kv.bf16", N * (kvl + rope) * a)  # mla_fp8_unpack
         t.free("kv")
     if own_indexer:
-        _indexer(t, cfg, R, N, a, index_format, max_logits_bytes)
+        _indexer(t, cfg, R, N, a, index_format, max_logits_bytes, split)
     attention = t.peak
     t.new_phase()
     t.alloc("out_lat", R * heads * kvl * a)
@@ -359,7 +400,7 @@ def _grouped_experts(t: _Tape, rows: int, k: int, H: int, im: int, a: int) -> No
     t.free("plan", "xs", "h", "act", "y")
 
 
-def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int) -> int:
+def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int, split: bool) -> int:
     """Peak of a layer's MLP half above the base: ``attn``, ``x + attn``, its norm and the live top-k stay."""
     H, E, k, im = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     t = _Tape()
@@ -370,9 +411,7 @@ def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int) -> in
     if not sparse:
         _swiglu(t, R, H, cfg.intermediate_size, a, "mlp")
     else:
-        t.alloc("router.x32", 4 * R * H)
-        t.alloc("router.logits", 4 * R * E)
-        t.free("router.x32")
+        _fp32_product(t, "router.logits", R, H, E, a, split)  # fp32_linear(x, gate.weight)
         t.alloc("router.scores", 4 * R * E)
         t.free("router.logits")
         t.alloc("router.choice", 3 * 4 * R * E)  # choice, the expanded group mask, the masked choice
@@ -408,7 +447,8 @@ def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int) -> in
 
 def activation_phases(cfg: "DSAConfig", rows: int, keys: int, *, dtype: str = "bf16", kv_format: str = "bf16",
                       index_format: str | None = None, ep: int = 1,
-                      max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES) -> tuple[int, dict[str, int]]:
+                      max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES,
+                      deterministic: bool = False) -> tuple[int, dict[str, int]]:
     """``(base, {phase: bytes})`` of one eager forward of ``rows`` rows per rank against ``keys`` full-view keys.
 
     ``base`` is live through every phase: the residual rows ``x``, the RoPE
@@ -426,21 +466,30 @@ def activation_phases(cfg: "DSAConfig", rows: int, keys: int, *, dtype: str = "b
     * ``dense_mlp`` / ``moe``: the MLP half of a dense / MoE layer (router,
       grouped expert buffers; with ``ep > 1`` the static-capacity dispatch
       and combine buffers of ``ep * rows * min(top_k, E / ep)`` rows).
+
+    ``deterministic``: the forward runs inside the deterministic mode
+    (``CPConfig(deterministic=True)``).  What it changes here is the fp32
+    products of the router and the indexer's ``weights_proj``: outside it,
+    bf16 activations multiply as one bf16 split GEMM with no fp32 copy of
+    ``x``; inside it (as with fp16 activations) ``x`` is upcast first
+    (:func:`_fp32_product`).  The mode's other kernels (its grouped experts
+    and GEMMs) are booked as the default providers'.
     """
     a = _act_bytes(dtype)
+    split = _split_fp32_products(dtype, deterministic)
     index_format = index_format or kv_format
     R, N = rows, keys
     H, L = cfg.hidden_size, cfg.num_hidden_layers
     base = _block(R * H * a) + 2 * _block(R * (cfg.qk_rope_head_dim // 2) * a) + 7 * _block(8 * R)
     own = [t == "full" for t in cfg.indexer_types]
     kinds = {(i > 0, own[i]) for i in range(L)}
-    att = [_attention_layer(cfg, R, N, a, kv_format, index_format, max_logits_bytes, prev, mine)
+    att = [_attention_layer(cfg, R, N, a, kv_format, index_format, max_logits_bytes, prev, mine, split)
            for prev, mine in sorted(kinds)]
     phases = {"attention": max(p[0] for p in att), "sparse_mla": max(p[1] for p in att)}
     for kind, name in (("dense", "dense_mlp"), ("sparse", "moe")):
         live = {(i > 0) + own[i] for i in range(L) if cfg.mlp_layer_types[i] == kind}
         if live:
-            phases[name] = max(_mlp_layer(cfg, R, a, kind == "sparse", n, ep) for n in live)
+            phases[name] = max(_mlp_layer(cfg, R, a, kind == "sparse", n, ep, split) for n in live)
     return base, phases
 
 
@@ -467,6 +516,7 @@ class MemoryPlan:
     pages_total: int
     activation_base: int
     activation_phases: dict[str, int] = field(default_factory=dict)
+    deterministic: bool = False  # the activations are those of a forward in the deterministic mode
 
     @property
     def weight_bytes(self) -> int:
@@ -503,13 +553,15 @@ class MemoryPlan:
 
 def plan_memory(cfg: "DSAConfig", *, tokens: int, cp: int = 1, ep: int = 1, row_bucket: int | None = None,
                 dtype: str = "bf16", kv_format: str = "bf16", index_format: str | None = None, page_size: int = 64,
-                max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES) -> MemoryPlan:
+                max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES, deterministic: bool = False) -> MemoryPlan:
     """The per-rank memory plan of prefilling one request of ``tokens`` tokens on a CP group of ``cp`` ranks.
 
     ``row_bucket``: rows per rank of one forward (a chunked prefill, or the
     capture bucket rows are padded to); default: the rows the largest rank
     computes when the whole request is one forward.  The activations are
     those of the last such forward, which sees every key of the context.
+    ``deterministic``: that forward runs in the deterministic mode (see
+    :func:`activation_phases`: the fp32 products then copy ``x`` to fp32).
     Raises ``ValueError`` (one line, naming the argument) on bad input.
     """
     tokens = _check_int("tokens", tokens)
@@ -528,12 +580,12 @@ def plan_memory(cfg: "DSAConfig", *, tokens: int, cp: int = 1, ep: int = 1, row_
     kv_tok = kv_bytes_per_token(cfg, kv_format, index_format, dtype)
     ep = _check_int("ep", ep)
     base, phases = activation_phases(cfg, rows, keys, dtype=dtype, kv_format=kv_format, index_format=index_format,
-                                     ep=ep, max_logits_bytes=max_logits_bytes)
+                                     ep=ep, max_logits_bytes=max_logits_bytes, deterministic=bool(deterministic))
     return MemoryPlan(
         model_type=cfg.model_type, cp=cp, ep=ep, tokens=tokens, rows=rows, keys=keys, page_size=page_size,
         dtype=dtype, kv_format=kv_format, index_format=index_format or kv_format,
         weights=weight_bytes(cfg, dtype, ep), kv_per_token=kv_tok, pages_per_rank=pages_rank,
-        pages_total=pages_total, activation_base=base, activation_phases=phases,
+        pages_total=pages_total, activation_base=base, activation_phases=phases, deterministic=bool(deterministic),
     )
 
 
@@ -564,7 +616,8 @@ def render_memory(plan: MemoryPlan) -> str:
     lines += ["", f"KV cache: {p.kv_per_token['mla']} B/token MLA + {p.kv_per_token['index']} B/token index-K "
                   f"= {per_tok} B/token (all layers); owner-sharded, {p.pages_per_rank} of {p.pages_total} pages",
               row("owned", p.kv_bytes), row("if replicated", p.kv_replicated_bytes),
-              "", f"activations: one forward of {p.rows} rows per rank against {p.keys} keys"]
+              "", f"activations: one forward of {p.rows} rows per rank against {p.keys} keys"
+                  + (" (deterministic mode)" if p.deterministic else "")]
     lines.append(row("base", p.activation_base))
     for name, b in p.activation_phases.items():
         lines.append(row("+ " + name, b, "  <- peak" if name == p.peak_phase else ""))

@@ -294,3 +294,72 @@ def test_cli_memory_errors_are_one_line(capsys, argv, msg):
     assert main(full) == 2
     err = capsys.readouterr().err
     assert err.startswith("cpgraph memory: error: ") and err.count("\n") == 1 and re.search(msg, err), err
+
+
+# ----------------------------------------------------------------------------- the fp32 products
+
+
+_ALLOC = mem._Tape.alloc
+
+
+def _bookings(monkeypatch, cfg, **kw) -> dict[str, int]:
+    """Every buffer the activation replay books, by name (bytes summed over the replayed layers)."""
+    booked: dict[str, int] = {}
+    real = _ALLOC  # not the attribute: an earlier call of this test patched it
+
+    def alloc(self, name, nbytes):
+        booked[name] = booked.get(name, 0) + mem._block(int(nbytes))
+        real(self, name, nbytes)
+
+    monkeypatch.setattr(mem._Tape, "alloc", alloc)
+    mem.activation_phases(cfg, 4096, 65536, **kw)
+    return booked
+
+
+def test_fp32_products_book_the_copy_of_x_only_where_it_exists(monkeypatch):
+    """Router and ``weights_proj``: bf16 activations multiply as the bf16 split GEMM (no fp32 ``x``) unless in the
+    deterministic mode, where ``x`` is upcast; the two replays differ by exactly that copy and the split's buffers."""
+    cfg = _cfg(DEEPSEEK_V32)
+    R, H, E, hi = 4096, 7168, 256, 64
+    fast = _bookings(monkeypatch, cfg, dtype="bf16")
+    det = _bookings(monkeypatch, cfg, dtype="bf16", deterministic=True)
+    # V3.2 replays two attention-layer kinds (the first layer, the later ones) and one MoE layer kind
+    only_det = {k: v for k, v in det.items() if k not in fast}
+    assert only_det == {"w.proj.x32": 2 * mem._block(4 * R * H), "router.logits.x32": mem._block(4 * R * H)}
+    only_fast = {k: v for k, v in fast.items() if k not in det}
+    assert only_fast["w.proj.y"] == 2 * mem._block(4 * R * 3 * hi)  # torch.mm(x, [hi; mid; lo].t()) in fp32
+    assert only_fast["router.logits.y"] == mem._block(4 * R * 3 * E)
+    assert only_fast["router.logits.parts"] == mem._block(2 * 3 * E * H)  # the weight's three bf16 parts
+    assert not any(k.endswith(".x32") for k in fast)
+    assert {k: v for k, v in fast.items() if k in det} == {k: v for k, v in det.items() if k in fast}
+    # FP8 weights compute in bf16 (split); fp16 activations are upcast; fp32 ones are x itself (no copy)
+    assert not any(k.endswith(".x32") for k in _bookings(monkeypatch, cfg, dtype="fp8"))
+    assert _bookings(monkeypatch, cfg, dtype="fp16")["w.proj.x32"] == 2 * mem._block(4 * R * H)
+    fp32 = _bookings(monkeypatch, cfg, dtype="fp32")
+    assert not any(k.endswith((".x32", ".y")) for k in fp32) and fp32["w.proj"] > 0
+
+
+@pytest.mark.parametrize("dtype,act", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16), ("fp16", torch.float16),
+                                       ("fp32", torch.float32)])
+def test_the_plans_split_rule_is_the_models(dtype, act):
+    """``_split_fp32_products`` follows ``models/fp32_linear.uses_split`` for a CUDA activation, in and out of the mode."""
+    from types import SimpleNamespace
+
+    from cpgraph.models.fp32_linear import uses_split
+    from cpgraph.ops.invariant_mode import deterministic
+
+    x = SimpleNamespace(is_cuda=True, dtype=act, dim=lambda: 2)  # the static facts uses_split reads
+    assert mem._split_fp32_products(dtype, False) == uses_split(x)
+    with deterministic():
+        assert mem._split_fp32_products(dtype, True) == uses_split(x) is False
+
+
+def test_plan_records_the_deterministic_mode(tmp_path, capsys):
+    cfg = _cfg(DEEPSEEK_V32)
+    plan = mem.plan_memory(cfg, tokens=131072, cp=8, row_bucket=4096, deterministic=True)
+    assert plan.deterministic and plan.to_dict()["deterministic"] is True
+    assert "(deterministic mode)" in mem.render_memory(plan)
+    assert not mem.plan_memory(cfg, tokens=131072, cp=8, row_bucket=4096).deterministic
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V32))
+    assert main(["memory", "--model-config", str(tmp_path), "--tokens", "4096", "--deterministic", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["deterministic"] is True
