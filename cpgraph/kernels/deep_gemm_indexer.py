@@ -19,12 +19,17 @@ error when the package does not load.  Packaging: the ``sgl-deep-gemm``
 wheels declare their own torch; install with ``--no-deps`` into a directory
 on ``PYTHONPATH``.
 
-Status: no wheel we have loads with torch 2.11 (0.2.3.post2 / 0.2.5: their
-``_C.so`` needs ``c10::cuda::CUDAErrorLogCapture``, which torch 2.11 does
-not export; 0.1.7 / 0.2.1.post1: need ``apache-tvm-ffi``), so this binding
-has run only against a stand-in kernel with DeepGEMM's contract
-(``tests/kernels/test_deep_gemm_indexer.py``), never against DeepGEMM
-itself.  ``docs/ops/indexer.md`` has the details.
+Versions: DeepGEMM 2.x (``deepinfer-gemm`` 2.8.2, built from source against
+the installed torch: docs/ops/fp8_linear.md) names the kernel
+``fp8_fp4_mqa_logits``, takes ``q`` as ``(codes, None)`` and returns
+*compressed* rows: column ``j`` of row ``s`` is key ``ks[s] + j``.  The
+binding shifts them back to key columns for ``indexer_logits_fp8`` and,
+for ``indexer_topk``, selects on the relative windows ``[0, ke - ks)`` and
+adds ``ks`` to the ids (the tie rule prefers the lower key id, which a shift
+by one row's constant keeps).  Older wheels (``fp8_mqa_logits``, and
+sgl-deep-gemm 0.2.5's ``fp8_fp4_mqa_logits``) return key columns.  The
+sgl-deep-gemm wheels do not load with torch 2.11 (their ``_C.so`` needs
+``c10::cuda::CUDAErrorLogCapture``).  ``docs/ops/indexer.md`` has the details.
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ _NAMES = ("fp8_mqa_logits", "fp8_fp4_mqa_logits")  # older wheels / sgl-deep-gem
 
 _fn = None
 _fn_name: str | None = None
+_compressed = False  # DeepGEMM 2.x: rows relative to each row's window start
 _IMPORT_ERROR: str | None = None
 
 
 def load() -> bool:
     """Import ``deep_gemm`` once; ``True`` iff it loads and has an mqa-logits kernel."""
-    global _fn, _fn_name, _IMPORT_ERROR
+    global _fn, _fn_name, _IMPORT_ERROR, _compressed
     if _fn is not None:
         return True
     if _IMPORT_ERROR is not None:
@@ -59,6 +65,8 @@ def load() -> bool:
                 break
         else:
             raise ImportError(f"deep_gemm {getattr(deep_gemm, '__version__', '?')} has none of {_NAMES}")
+        major = str(getattr(deep_gemm, "__version__", "0")).split(".")[0]
+        _compressed = _fn_name == "fp8_fp4_mqa_logits" and major.isdigit() and int(major) >= 2
     except Exception as exc:  # noqa: BLE001 - any failure to load means "not available"
         _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
         return False
@@ -79,13 +87,15 @@ def _window_mask(ks, ke, n):
 
 
 def _logits(q_bytes, k_bytes, k_scale, weights, ks, ke):
-    """DeepGEMM's fp32 logits ``[M, >= N]`` of one call (windows as int32)."""
+    """DeepGEMM's fp32 logits ``[M, >= N]`` of one call (windows as int32); compressed rows with DeepGEMM 2.x."""
     if not load():
         raise RuntimeError(f"cpgraph.kernels.deep_gemm_indexer: deep_gemm does not load: {_IMPORT_ERROR}")
     f8 = torch.float8_e4m3fn
     q = q_bytes.view(f8).contiguous()
     kv = (k_bytes.view(f8).contiguous(), k_scale.float().contiguous())
     ks32, ke32 = ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous()
+    if _compressed:
+        return _fn((q, None), kv, weights.contiguous(), ks32, ke32, max(1, k_bytes.shape[0]))
     if _fn_name == "fp8_mqa_logits":
         return _fn(q, kv, weights.contiguous(), ks32, ke32, clean_logits=True)
     return _fn(q, kv, weights.contiguous(), ks32, ke32, 0)  # 0.2.5: max_seqlen_k positional, 0 = all N
@@ -97,7 +107,11 @@ def indexer_logits_fp8(q_bytes, k_bytes, k_scale, weights, ks, ke):
     if M == 0 or N == 0:
         return torch.full((M, N), float("-inf"), dtype=torch.float32, device=q_bytes.device)
     out = _logits(q_bytes, k_bytes, k_scale, weights, ks, ke)[:, :N]
-    return out.masked_fill(~_window_mask(ks, ke, N), float("-inf"))
+    inside = _window_mask(ks, ke, N)
+    if _compressed:  # column j holds key ks + j: move each row back to key columns
+        cols = torch.arange(N, device=ks.device)[None, :] - ks.to(torch.int64)[:, None]
+        out = out.gather(1, cols.clamp(0, N - 1))
+    return out.masked_fill(~inside, float("-inf"))
 
 
 def indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes, k_scale=None):
@@ -117,12 +131,17 @@ def indexer_topk(q, k, weights, ks, ke, topk, max_logits_bytes, k_scale=None):
     if N == 0:
         return out.fill_(-1)
     rows = min(M, logits_chunk_rows(N, max_logits_bytes))
+    load()
+    # Compressed rows (DeepGEMM 2.x): select over the relative windows [0, ke - ks), then shift the ids.
+    sel_ks, sel_ke = (torch.zeros_like(ks), ke - ks) if _compressed else (ks, ke)
     for a in range(0, M, rows):
         b = min(M, a + rows)
         logits = _logits(q[a:b], k, k_scale, weights[a:b], ks[a:b], ke[a:b])
         if logits.shape[1] > 1 and logits.stride(1) != 1:
             logits = logits.contiguous()
-        triton_indexer.select_rows(logits, ks, ke, out, a, b - a, topk)
+        triton_indexer.select_rows(logits, sel_ks, sel_ke, out, a, b - a, topk)
+    if _compressed:
+        out = torch.where(out >= 0, out + ks.to(torch.int32)[:, None], out)
     return out
 
 

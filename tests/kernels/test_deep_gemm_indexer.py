@@ -43,6 +43,26 @@ def _fake_deep_gemm(calls):
     return types.SimpleNamespace(fp8_mqa_logits=fp8_mqa_logits, __version__="fake")
 
 
+def _fake_deep_gemm_2x(calls):
+    """DeepGEMM 2.x's form: ``q`` as ``(codes, None)``, compressed rows (column j = key ks + j), 7.0 past the window."""
+
+    def fp8_fp4_mqa_logits(q, kv, weights, ks, ke, max_seqlen_k, schedule_meta=None):
+        q, q_sf = q
+        k, k_scale = kv
+        assert q_sf is None and q.dtype == torch.float8_e4m3fn and ks.dtype == torch.int32 and max_seqlen_k > 0
+        calls.append(q.shape[0])
+        m, n = q.shape[0], k.shape[0]
+        full = ix.indexer_logits_fp8_reference(q.view(torch.uint8), k.view(torch.uint8), k_scale, weights,
+                                               torch.zeros_like(ks), torch.full_like(ke, n))
+        out = torch.full((m, max_seqlen_k), 7.0, device=q.device)
+        for s in range(m):
+            a, b = int(ks[s]), int(ke[s])
+            out[s, : b - a] = full[s, a:b]
+        return out
+
+    return types.SimpleNamespace(fp8_fp4_mqa_logits=fp8_fp4_mqa_logits, __version__="2.8.2")
+
+
 @pytest.fixture(autouse=True)
 def _short_sample():
     """Under the interpreter, a 16-key selection sample: the Triton selection's tuning never changes its
@@ -55,10 +75,11 @@ def _short_sample():
     ki.set_tuning(**saved)
 
 
-@pytest.fixture
-def fake(monkeypatch):
+@pytest.fixture(params=["1.x", "2.x"])
+def fake(monkeypatch, request):
     calls = []
-    monkeypatch.setitem(sys.modules, "deep_gemm", _fake_deep_gemm(calls))
+    make = _fake_deep_gemm if request.param == "1.x" else _fake_deep_gemm_2x
+    monkeypatch.setitem(sys.modules, "deep_gemm", make(calls))
     monkeypatch.setattr(dg, "_fn", None)
     monkeypatch.setattr(dg, "_IMPORT_ERROR", None)
     return calls
@@ -80,7 +101,7 @@ def _inputs(seed, M=9, H=2, D=32, N=45):
 
 def test_logits_follow_the_op_contract(fake):
     q_bytes, k_bytes, k_scale, w, ks, ke = _inputs(0)
-    assert dg.load() and dg.kernel_name() == "fp8_mqa_logits"
+    assert dg.load() and dg.kernel_name() in ("fp8_mqa_logits", "fp8_fp4_mqa_logits")
     got = dg.indexer_logits_fp8(q_bytes, k_bytes, k_scale, w, ks, ke)
     assert torch.equal(got, ix.indexer_logits_fp8_reference(q_bytes, k_bytes, k_scale, w, ks, ke))
 
