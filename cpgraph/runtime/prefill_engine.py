@@ -96,8 +96,11 @@ class _Live:
     def __init__(self, rid: int, tokens: list[int], room: int | None, handle: RequestHandle | None, now: float,
                  deadline: float | None, tokens_np: np.ndarray | None = None):
         self.id, self.tokens, self.room, self.handle = rid, tokens, room, handle
-        self.tokens_np = np.asarray(tokens, dtype=np.int64) if tokens_np is None else tokens_np
-        self.key = TokenKey(self.tokens_np)
+        if tokens_np is None:
+            self.tokens_np = np.asarray(tokens, dtype=np.int64)
+            self.key = TokenKey(self.tokens_np)
+        else:  # submit's array, already checked against the vocabulary (< 2**31 ids: PrefillEngine.__init__)
+            self.tokens_np, self.key = tokens_np, TokenKey.from_checked(tokens_np)
         self.match: PrefixMatch | None = None
         self.prefix_len = 0  # tokens with KV from the cache (all tiers) at admission
         self.done = 0  # where the next chunk starts: the leading tokens whose KV exists
@@ -145,6 +148,8 @@ class PrefillEngine:
         self.model, self.page_size, self.rank, self.cp_size = model, page_size, rank, cp_size
         self.device = model.device  # read once: the property walks the parameters
         self.vocab = model.config.vocab_size
+        if self.vocab > 2**31:  # radix keys hold int32 ids (submit's checked ids go into them unscanned)
+            raise ValueError(f"prefill engine: a vocabulary of {self.vocab} ids does not fit the radix keys' int32")
         self.group, self.control_group, self.src = group, control_group if control_group is not None else group, src
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), page_size)
         self.request_timeout = request_timeout
@@ -226,9 +231,11 @@ class PrefillEngine:
                 return "room", "this engine has no KV transfer configured"
             if not self.transfer.registered(request.transfer_room):
                 return "room", f"room {request.transfer_room} is not registered by a decode on this prefill"
-        need = lane_pages([0], [n], self.cp_size, self.page_size)
-        if (need > self.num_pages).any():
-            return "too_long", (f"the prompt needs {int(need.max())} KV pages on one rank; the pool holds "
+        # One rank holds every page: Python ints (this runs for every request; lane_pages builds arrays).
+        need = -(-n // self.page_size) if self.cp_size == 1 else int(lane_pages([0], [n], self.cp_size,
+                                                                                 self.page_size).max())
+        if need > self.num_pages:
+            return "too_long", (f"the prompt needs {need} KV pages on one rank; the pool holds "
                                 f"{self.num_pages} per rank (it can never fit)")
         return None
 
@@ -759,8 +766,9 @@ def token_ids(tokens, vocab: int) -> tuple[np.ndarray | None, object]:
         if max(map(abs, tokens)) >= 2**63:
             return None, next(t for t in tokens if not 0 <= t < vocab)
         arr = np.asarray(tokens, dtype=np.int64)
-    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-    return (None, tokens[int(bad[0])]) if bad.size else (arr, None)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):  # two reductions; the position only on a refusal
+        return None, tokens[int(np.flatnonzero((arr < 0) | (arr >= vocab))[0])]
+    return arr, None
 
 
 def _graph_replays(forward) -> int:
