@@ -82,7 +82,7 @@ from .graph_runner import graph_counts
 from .radix import TokenKey, check_consistent
 from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
                        RequestHandle, RequestResult, _Stats, engine_request)
-from .sampling import Sampling, choose_first_token
+from .sampling import Sampling, first_tokens
 from .scheduler import Scheduler, SchedulerConfig, chunk_owners, chunk_spans, lane_pages, shared_prefix
 
 log = logging.getLogger(__name__)
@@ -646,21 +646,21 @@ class PrefillEngine:
         self.stats.step_seconds += forward_s
         self.cold_steps += cold
         self.step_log.append((forward_s, tokens, len(chunks), cold))
-        finished, done = [], []
-        rows = None
+        finished, done, answers = [], [], []
+        choices = {}
         if self.is_leader:  # the rows whose first token is chosen now: one device-to-host copy for all of them
             want = [j for j, (live, (_, _, e)) in enumerate(zip(lives, chunks))
                     if e == len(live.tokens) and live.handle is not None]
             if want:
-                rows = dict(zip(want, logits[want].float().cpu()))
+                reqs = [lives[j].handle.request for j in want]
+                sel = logits if len(want) == logits.shape[0] else logits[want]  # every row: no gather
+                choices = dict(zip(want, first_tokens(sel, [r.sampling for r in reqs],
+                                                      [r.top_logprobs for r in reqs])))
         for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
             live.next_chunk, live.chunks = live.next_chunk + 1, live.chunks + 1
             last = e == len(live.tokens)
             live.done = e if last else live.starts[live.next_chunk]
-            choice = None
-            if last and self.is_leader and live.handle is not None:
-                req = live.handle.request
-                choice = choose_first_token(rows[j], req.sampling, req.top_logprobs)
+            choice = choices.get(j)
             if live.room is not None and self.transfer is not None:
                 self._send(live, tables[j][0], s, e, last, choice)
             if last:
@@ -668,7 +668,7 @@ class PrefillEngine:
                     self.transfer.finish(live.room)  # every page is sent: the decode may start
                 done.append(live)
                 if self.is_leader and live.handle is not None:
-                    finished.append(self._close(live, FINISHED, choice))
+                    finished.append(self._close(live, FINISHED, choice, answers=answers))
         # The answers go out before the radix bookkeeping.  One device: it waits for the next step (which
         # commits before it admits anything, so a request sent after an answer still finds the prompt's
         # pages); the engine thread blocks meanwhile and the threads waiting on the answers run.
@@ -676,10 +676,16 @@ class PrefillEngine:
             self._live.pop(live.id, None)
         if self.cp_size == 1 and self.is_leader and self.commit_delay > 0:
             self._pending += done
+            check_consistent(self.cache.tree, self.group, device=self.device)
+            # Delivered last: a waiting thread (the event loop, woken by the answer's callback) needs the GIL,
+            # which this thread holds until it blocks -- right after this step, in wait_for_work.  Answered
+            # before the step's own bookkeeping, the loop woke only to wait for the GIL through it.
+            _deliver(answers)
         else:
+            _deliver(answers)
             for live in done:
                 self._commit(live)
-        check_consistent(self.cache.tree, self.group, device=self.device)
+            check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
 
     def _send(self, live: _Live, table: np.ndarray, s: int, e: int, last: bool, choice) -> None:
@@ -713,8 +719,9 @@ class PrefillEngine:
         return self._close(live, FAILED, error=" ".join(f"{type(exc).__name__}: {exc}".split()))
 
     def _close(self, live: _Live, status: str, choice=None, error: str | None = None,
-               refusal: str | None = None) -> RequestHandle | None:
-        """Leader: the request leaves the engine; build and deliver its result."""
+               refusal: str | None = None, answers: list | None = None) -> RequestHandle | None:
+        """Leader: the request leaves the engine; build and deliver its result (``answers``: append
+        ``(handle, result)`` there instead, for :func:`_deliver` at the end of the step)."""
         self.scheduler.remove(live)
         self._live.pop(live.id, None)
         now = self.clock()
@@ -745,8 +752,16 @@ class PrefillEngine:
             for tier, n in hits.items():
                 s.cached_tokens[tier] = s.cached_tokens.get(tier, 0) + n
         if live.handle is not None:
-            live.handle._finish(res)
+            if answers is None:
+                live.handle._finish(res)
+            else:
+                answers.append((live.handle, res))
         return live.handle
+
+
+def _deliver(answers: list) -> None:
+    for handle, res in answers:
+        handle._finish(res)
 
 
 
@@ -776,11 +791,20 @@ def _graph_replays(forward) -> int:
     return graph_counts(forward)[0]
 
 
-def _compiles() -> int:
-    """Graphs TorchDynamo compiled so far in this process (a dict read: cheap enough for every step)."""
-    from torch._dynamo.utils import counters
+_DYNAMO_COUNTERS = None  # torch._dynamo.utils.counters, imported at the first step (importing dynamo is slow)
 
-    return counters["stats"]["unique_graphs"]
+
+def _compiles() -> int:
+    """Graphs TorchDynamo compiled so far in this process (a dict read: cheap enough for every step).
+
+    The counters object is looked up once: an ``import`` statement inside the function ran the import
+    machinery twice per step, around every forward."""
+    global _DYNAMO_COUNTERS
+    if _DYNAMO_COUNTERS is None:
+        from torch._dynamo.utils import counters
+
+        _DYNAMO_COUNTERS = counters
+    return _DYNAMO_COUNTERS["stats"]["unique_graphs"]
 
 
 __all__ = ["EngineRequest", "PrefillEngine", "RequestHandle", "RequestResult", "Sampling", "SchedulerConfig",
