@@ -67,7 +67,11 @@ def first_tokens(logits: Tensor, samplings, top_logprobs) -> list[FirstToken]:
     row's argmax and its logprob are read from the host arrays.  A sampled
     row draws with torch as before (same generator, same numbers).
     """
-    rows = logits.detach().float().cpu()
+    rows = logits.detach() if logits.requires_grad else logits
+    if rows.dtype != torch.float32:  # each no-op conversion would still be a dispatcher call (cold, after a forward)
+        rows = rows.float()
+    if rows.device.type != "cpu":
+        rows = rows.cpu()
     logp = torch.log_softmax(rows, dim=-1)
     rows_np, logp_np = rows.numpy(), logp.numpy()
     out = []
