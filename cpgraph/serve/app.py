@@ -143,7 +143,8 @@ class PrefillServer:
             log.exception("cpgraph serve: %s %s failed", request.method, request.path)
             resp = _error(500, " ".join(f"internal error: {type(exc).__name__}: {exc}".split()), kind="server_error")
         # Counted once the response is on its way: a callback of the loop's next turn runs after aiohttp has
-        # written it (and before the loop reads another request, so a /metrics read after it counts it).
+        # handed it to the socket (its write waits only when the socket is full), and before the loop reads
+        # another request, so a /metrics read after the response counts it.
         asyncio.get_running_loop().call_soon(self._count, endpoint, resp.status)
         return resp
 
