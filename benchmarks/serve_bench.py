@@ -112,7 +112,7 @@ def build_server(args):
     from cpgraph.serve.node import warm_up
 
     # What `cpgraph serve` runs before /health turns 200: every compile class and (--cuda-graphs) every bucket.
-    prefix = args.warm_prefix_tokens if args.warm_prefix_tokens >= 0 else None
+    prefix = args.warmup_prefix_tokens if args.warmup_prefix_tokens >= 0 else None
     t0 = time.perf_counter()
     server = PrefillServer(engine, served=("bench",), warmup=lambda: warm_up(engine, 64, prefix)).start_background()
     server.wait_ready(3600)
@@ -586,9 +586,9 @@ def main() -> None:
                     help="clients of the closed-loop saturation phase (default: twice the requests of a full step)")
     ap.add_argument("--own-kv-buckets", action="store_true",
                     help="--cuda-graphs: KV-view rows bucketed on their own (less padding, several buckets per row "
-                         "and prefix bucket: many more to warm, so pair it with a small --warm-prefix-tokens) "
+                         "and prefix bucket: many more to warm, so pair it with a small --warmup-prefix-tokens) "
                          "instead of derived from the row and prefix buckets")
-    ap.add_argument("--warm-prefix-tokens", type=int, default=-1,
+    ap.add_argument("--warmup-prefix-tokens", type=int, default=-1,
                     help="--cuda-graphs: warm-up prepares every bucket up to this many cached-prefix rows per step "
                          "(default -1: the token budget)")
     ap.add_argument("--systems", type=int, default=8)

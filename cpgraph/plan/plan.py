@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -125,9 +126,18 @@ def _check_inputs(prefix_lens, extend_lens, cp_size, page_size, row_align):
 
 
 def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(x)
+    out = np.zeros(x.shape, dtype=x.dtype)  # np.zeros_like is a Python wrapper: this runs per batch, per step
     if x.size > 1:
         np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+@lru_cache(maxsize=64)
+def _seg_chunks(cp_size: int) -> np.ndarray:
+    """``[cp, 2]`` chunk ids of each rank's (prev, next) segments; depends on ``cp_size`` only (read-only, shared)."""
+    ranks = np.arange(cp_size, dtype=np.int64)
+    out = np.stack([ranks, 2 * cp_size - 1 - ranks], axis=1)
+    out.setflags(write=False)
     return out
 
 
@@ -254,7 +264,8 @@ class CPPlan:
         self.num_pages = split.num_pages
         self.kv_lens = self.prefix_lens + self.num_pages * self.page_size
         self.kv_start = _exclusive_cumsum(self.kv_lens)
-        self.valid_per_rank = split.valid_rows_per_rank()
+        tok_len = split.tok_len  # [B, 2cp], used twice below
+        self.valid_per_rank = split.valid_rows_per_rank(tok_len)
         raw = max(int(self.valid_per_rank.max()), 1)
         self.compute_rows = raw  # rows before static (bucket) padding
         self.num_rows = -(-raw // row_align) * row_align
@@ -264,10 +275,8 @@ class CPPlan:
                 f"{self.cp_size * self.num_rows}, more than {MAX_ROWS} (2**31 - 1); split the batch or lower row_align"
             )
         # Rank-local row offset of each (rank, request, side) segment; side 0 = prev, 1 = next.
-        n = 2 * self.cp_size
-        ranks = np.arange(self.cp_size)
-        self._seg_chunk = np.stack([ranks, n - 1 - ranks], axis=1)  # [cp, 2]
-        seg_len = split.tok_len[:, self._seg_chunk]  # [B, cp, 2]
+        self._seg_chunk = _seg_chunks(self.cp_size)  # [cp, 2]
+        seg_len = tok_len[:, self._seg_chunk]  # [B, cp, 2]
         seg_len = seg_len.transpose(1, 0, 2).reshape(self.cp_size, -1)  # [cp, B*2] in row order
         self._seg_len = seg_len
         self._seg_row = np.cumsum(seg_len, axis=1) - seg_len  # [cp, B*2]

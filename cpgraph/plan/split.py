@@ -20,15 +20,24 @@ but is silently wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 
 def chunk_owner(num_chunks: int) -> np.ndarray:
-    """Rank that computes each of the ``2*cp`` chunks: ``c`` or ``2*cp-1-c``."""
+    """Rank that computes each of the ``2*cp`` chunks: ``c`` or ``2*cp-1-c`` (a fresh array)."""
+    return _chunk_owner(num_chunks).copy()
+
+
+@lru_cache(maxsize=64)
+def _chunk_owner(num_chunks: int) -> np.ndarray:
+    # Shared and read-only: every plan of the same CP size reads the same owners (planning runs every step).
     cp = num_chunks // 2
     c = np.arange(num_chunks, dtype=np.int64)
-    return np.where(c < cp, c, num_chunks - 1 - c)
+    out = np.where(c < cp, c, num_chunks - 1 - c)
+    out.setflags(write=False)
+    return out
 
 
 @dataclass(frozen=True)
@@ -59,10 +68,10 @@ class Split:
         """The (prev, next) chunk ids computed by ``rank``."""
         return rank, 2 * self.cp_size - 1 - rank
 
-    def valid_rows_per_rank(self) -> np.ndarray:
-        """``[cp]`` number of real token rows each rank computes."""
-        owners = chunk_owner(2 * self.cp_size)
-        per_chunk = self.tok_len.sum(axis=0)  # [2cp]
+    def valid_rows_per_rank(self, tok_len: np.ndarray | None = None) -> np.ndarray:
+        """``[cp]`` number of real token rows each rank computes (``tok_len``: :attr:`tok_len`, if at hand)."""
+        owners = _chunk_owner(2 * self.cp_size)
+        per_chunk = (self.tok_len if tok_len is None else tok_len).sum(axis=0)  # [2cp]
         return np.bincount(owners, weights=per_chunk, minlength=self.cp_size).astype(np.int64)
 
 
@@ -76,11 +85,11 @@ def split_requests(extend_lens: np.ndarray, *, cp_size: int, page_size: int) -> 
     n = 2 * cp_size
     ext = np.asarray(extend_lens, dtype=np.int64)
     pages = (ext + page_size - 1) // page_size
-    base = pages // n
-    rem = pages % n
+    base, rem = np.divmod(pages, n)
     sizes = base[:, None] + (np.arange(n, dtype=np.int64)[None, :] < rem[:, None])
-    page_end = np.cumsum(sizes, axis=1)
+    page_end = sizes.cumsum(axis=1)
     page_start = page_end - sizes
-    tok_start = np.minimum(page_start * page_size, ext[:, None])
-    tok_end = np.minimum(page_end * page_size, ext[:, None])
+    col = ext[:, None]
+    tok_start = np.minimum(page_start * page_size, col)
+    tok_end = np.minimum(page_end * page_size, col)
     return Split(cp_size, page_size, ext, pages, page_start, page_end, tok_start, tok_end)

@@ -96,6 +96,9 @@ class CacheResult:
         return {k: sum(h[k] for h in self.hits) for k in tiers}
 
 
+_NONE = np.zeros(0, np.int64)
+_NONE.setflags(write=False)
+
 HOLE = -2  # a page table entry still to compute (a hole after a failed L3 page, or an extend page): no page yet
 
 
@@ -153,10 +156,12 @@ class PrefixMatch:
     tokens: list
     key: TokenKey
     # Snapshot at match time: a later request's match may split these nodes.
-    prefix_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    prefix_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    restored_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    restored_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # (Each is replaced, never written in place: the defaults share one read-only empty array, one fewer
+    # allocation per field on every admission.)
+    prefix_pages: np.ndarray = field(default_factory=lambda: _NONE)
+    prefix_owners: np.ndarray = field(default_factory=lambda: _NONE)
+    restored_pages: np.ndarray = field(default_factory=lambda: _NONE)
+    restored_owners: np.ndarray = field(default_factory=lambda: _NONE)
     holes: list = field(default_factory=list)  # [(first page, end page)] to compute, inside [tree_pages, cached_pages)
     locks: list = field(default_factory=list)
     loads: list = field(default_factory=list)  # in-flight L2 -> L1 load-backs (per-layer events)
@@ -188,8 +193,10 @@ class PrefixMatch:
         pages = np.full(n, HOLE, dtype=np.int64)
         owners = np.full(n, HOLE, dtype=np.int64)
         t, c = self.tree_pages, self.cached_pages
-        pages[:t], owners[:t] = self.prefix_pages, self.prefix_owners
-        pages[t:c], owners[t:c] = self.restored_pages, self.restored_owners
+        if t:  # (an empty part is skipped: these run for every admission)
+            pages[:t], owners[:t] = self.prefix_pages, self.prefix_owners
+        if c > t:
+            pages[t:c], owners[t:c] = self.restored_pages, self.restored_owners
         return pages, owners
 
 

@@ -82,7 +82,7 @@ def _alloc(ledger: LaneLedger, allocator, owners, where: str) -> np.ndarray:
     short = ledger.shortfall(counts)
     if short:
         raise LaneDeficit(short, where)
-    pages = np.asarray(allocator.alloc_pages_with_owners(owners), dtype=np.int64)
+    pages = allocator.alloc_array(owners)  # owners checked by ledger.counts (int64, ranks of the group)
     ledger.take_counts(counts)  # cannot fail: the deficit check above passed
     return pages
 

@@ -175,15 +175,22 @@ class OwnerLaneAllocator:
         own = own.astype(np.int64)
         if own.size and own.min() < 0:
             raise ValueError(f"alloc_pages_with_owners: owner ranks must be >= 0, got {own.min()}")
+        return self.alloc_array(own).tolist()
+
+    def alloc_array(self, own: np.ndarray) -> np.ndarray:
+        """:meth:`alloc_pages_with_owners` for owners the caller has checked (a 1-D int64 array of ranks >= 0),
+        as an int64 array: the ledgers' allocation path checks the owners once and keeps arrays (no list)."""
         mine = own == self.rank
         need = int(mine.sum())
         if need > len(self._free):
             raise KVPoolExhausted(self.rank, need, len(self._free))
         pages = np.array([heapq.heappop(self._free) for _ in range(need)], dtype=np.int64)
         self._in_use[pages] = True
+        if need == own.shape[0]:  # every page is this rank's (always with one rank): no -1 entries to fill in
+            return pages
         out = np.full(own.shape[0], -1, dtype=np.int64)
         out[mine] = pages
-        return out.tolist()
+        return out
 
     def free(self, pages: Sequence[int]) -> None:
         """Return pages to the lane; ``-1`` entries (other owners' pages) are ignored."""
@@ -246,6 +253,9 @@ class KVPool:
     # allocation ------------------------------------------------------------
     def alloc_pages_with_owners(self, owners: Sequence[int]) -> list[int]:
         return self.allocator.alloc_pages_with_owners(owners)
+
+    def alloc_array(self, owners: np.ndarray) -> np.ndarray:
+        return self.allocator.alloc_array(owners)
 
     def free(self, pages: Sequence[int]) -> None:
         self.allocator.free(pages)

@@ -82,7 +82,7 @@ from .graph_runner import graph_counts
 from .radix import TokenKey, check_consistent
 from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
                        RequestHandle, RequestResult, _Stats, engine_request)
-from .sampling import Sampling, choose_first_token
+from .sampling import Sampling, first_tokens
 from .scheduler import Scheduler, SchedulerConfig, chunk_owners, chunk_spans, lane_pages, shared_prefix
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,11 @@ class _Live:
     def __init__(self, rid: int, tokens: list[int], room: int | None, handle: RequestHandle | None, now: float,
                  deadline: float | None, tokens_np: np.ndarray | None = None):
         self.id, self.tokens, self.room, self.handle = rid, tokens, room, handle
-        self.tokens_np = np.asarray(tokens, dtype=np.int64) if tokens_np is None else tokens_np
-        self.key = TokenKey(self.tokens_np)
+        if tokens_np is None:
+            self.tokens_np = np.asarray(tokens, dtype=np.int64)
+            self.key = TokenKey(self.tokens_np)
+        else:  # submit's array, already checked against the vocabulary (< 2**31 ids: PrefillEngine.__init__)
+            self.tokens_np, self.key = tokens_np, TokenKey.from_checked(tokens_np)
         self.match: PrefixMatch | None = None
         self.prefix_len = 0  # tokens with KV from the cache (all tiers) at admission
         self.done = 0  # where the next chunk starts: the leading tokens whose KV exists
@@ -145,6 +148,8 @@ class PrefillEngine:
         self.model, self.page_size, self.rank, self.cp_size = model, page_size, rank, cp_size
         self.device = model.device  # read once: the property walks the parameters
         self.vocab = model.config.vocab_size
+        if self.vocab > 2**31:  # radix keys hold int32 ids (submit's checked ids go into them unscanned)
+            raise ValueError(f"prefill engine: a vocabulary of {self.vocab} ids does not fit the radix keys' int32")
         self.group, self.control_group, self.src = group, control_group if control_group is not None else group, src
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), page_size)
         self.request_timeout = request_timeout
@@ -226,9 +231,11 @@ class PrefillEngine:
                 return "room", "this engine has no KV transfer configured"
             if not self.transfer.registered(request.transfer_room):
                 return "room", f"room {request.transfer_room} is not registered by a decode on this prefill"
-        need = lane_pages([0], [n], self.cp_size, self.page_size)
-        if (need > self.num_pages).any():
-            return "too_long", (f"the prompt needs {int(need.max())} KV pages on one rank; the pool holds "
+        # One rank holds every page: Python ints (this runs for every request; lane_pages builds arrays).
+        need = -(-n // self.page_size) if self.cp_size == 1 else int(lane_pages([0], [n], self.cp_size,
+                                                                                 self.page_size).max())
+        if need > self.num_pages:
+            return "too_long", (f"the prompt needs {need} KV pages on one rank; the pool holds "
                                 f"{self.num_pages} per rank (it can never fit)")
         return None
 
@@ -639,21 +646,21 @@ class PrefillEngine:
         self.stats.step_seconds += forward_s
         self.cold_steps += cold
         self.step_log.append((forward_s, tokens, len(chunks), cold))
-        finished, done = [], []
-        rows = None
+        finished, done, answers = [], [], []
+        choices = {}
         if self.is_leader:  # the rows whose first token is chosen now: one device-to-host copy for all of them
             want = [j for j, (live, (_, _, e)) in enumerate(zip(lives, chunks))
                     if e == len(live.tokens) and live.handle is not None]
             if want:
-                rows = dict(zip(want, logits[want].float().cpu()))
+                reqs = [lives[j].handle.request for j in want]
+                sel = logits if len(want) == logits.shape[0] else logits[want]  # every row: no gather
+                choices = dict(zip(want, first_tokens(sel, [r.sampling for r in reqs],
+                                                      [r.top_logprobs for r in reqs])))
         for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
             live.next_chunk, live.chunks = live.next_chunk + 1, live.chunks + 1
             last = e == len(live.tokens)
             live.done = e if last else live.starts[live.next_chunk]
-            choice = None
-            if last and self.is_leader and live.handle is not None:
-                req = live.handle.request
-                choice = choose_first_token(rows[j], req.sampling, req.top_logprobs)
+            choice = choices.get(j)
             if live.room is not None and self.transfer is not None:
                 self._send(live, tables[j][0], s, e, last, choice)
             if last:
@@ -661,7 +668,7 @@ class PrefillEngine:
                     self.transfer.finish(live.room)  # every page is sent: the decode may start
                 done.append(live)
                 if self.is_leader and live.handle is not None:
-                    finished.append(self._close(live, FINISHED, choice))
+                    finished.append(self._close(live, FINISHED, choice, answers=answers))
         # The answers go out before the radix bookkeeping.  One device: it waits for the next step (which
         # commits before it admits anything, so a request sent after an answer still finds the prompt's
         # pages); the engine thread blocks meanwhile and the threads waiting on the answers run.
@@ -669,10 +676,16 @@ class PrefillEngine:
             self._live.pop(live.id, None)
         if self.cp_size == 1 and self.is_leader and self.commit_delay > 0:
             self._pending += done
+            check_consistent(self.cache.tree, self.group, device=self.device)
+            # Delivered last: a waiting thread (the event loop, woken by the answer's callback) needs the GIL,
+            # which this thread holds until it blocks -- right after this step, in wait_for_work.  Answered
+            # before the step's own bookkeeping, the loop woke only to wait for the GIL through it.
+            _deliver(answers)
         else:
+            _deliver(answers)
             for live in done:
                 self._commit(live)
-        check_consistent(self.cache.tree, self.group, device=self.device)
+            check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
 
     def _send(self, live: _Live, table: np.ndarray, s: int, e: int, last: bool, choice) -> None:
@@ -706,8 +719,9 @@ class PrefillEngine:
         return self._close(live, FAILED, error=" ".join(f"{type(exc).__name__}: {exc}".split()))
 
     def _close(self, live: _Live, status: str, choice=None, error: str | None = None,
-               refusal: str | None = None) -> RequestHandle | None:
-        """Leader: the request leaves the engine; build and deliver its result."""
+               refusal: str | None = None, answers: list | None = None) -> RequestHandle | None:
+        """Leader: the request leaves the engine; build and deliver its result (``answers``: append
+        ``(handle, result)`` there instead, for :func:`_deliver` at the end of the step)."""
         self.scheduler.remove(live)
         self._live.pop(live.id, None)
         now = self.clock()
@@ -738,8 +752,16 @@ class PrefillEngine:
             for tier, n in hits.items():
                 s.cached_tokens[tier] = s.cached_tokens.get(tier, 0) + n
         if live.handle is not None:
-            live.handle._finish(res)
+            if answers is None:
+                live.handle._finish(res)
+            else:
+                answers.append((live.handle, res))
         return live.handle
+
+
+def _deliver(answers: list) -> None:
+    for handle, res in answers:
+        handle._finish(res)
 
 
 
@@ -759,8 +781,9 @@ def token_ids(tokens, vocab: int) -> tuple[np.ndarray | None, object]:
         if max(map(abs, tokens)) >= 2**63:
             return None, next(t for t in tokens if not 0 <= t < vocab)
         arr = np.asarray(tokens, dtype=np.int64)
-    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-    return (None, tokens[int(bad[0])]) if bad.size else (arr, None)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):  # two reductions; the position only on a refusal
+        return None, tokens[int(np.flatnonzero((arr < 0) | (arr >= vocab))[0])]
+    return arr, None
 
 
 def _graph_replays(forward) -> int:
@@ -768,11 +791,20 @@ def _graph_replays(forward) -> int:
     return graph_counts(forward)[0]
 
 
-def _compiles() -> int:
-    """Graphs TorchDynamo compiled so far in this process (a dict read: cheap enough for every step)."""
-    from torch._dynamo.utils import counters
+_DYNAMO_COUNTERS = None  # torch._dynamo.utils.counters, imported at the first step (importing dynamo is slow)
 
-    return counters["stats"]["unique_graphs"]
+
+def _compiles() -> int:
+    """Graphs TorchDynamo compiled so far in this process (a dict read: cheap enough for every step).
+
+    The counters object is looked up once: an ``import`` statement inside the function ran the import
+    machinery twice per step, around every forward."""
+    global _DYNAMO_COUNTERS
+    if _DYNAMO_COUNTERS is None:
+        from torch._dynamo.utils import counters
+
+        _DYNAMO_COUNTERS = counters
+    return _DYNAMO_COUNTERS["stats"]["unique_graphs"]
 
 
 __all__ = ["EngineRequest", "PrefillEngine", "RequestHandle", "RequestResult", "Sampling", "SchedulerConfig",

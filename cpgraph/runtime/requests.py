@@ -108,14 +108,20 @@ class _Stats:
     step_seconds: float = 0.0
 
 
+_GREEDY = Sampling()
+
+
 def engine_request(tokens, *, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    top_logprobs: int = 0, transfer_room: int | None = None,
                    timeout: float | None = None) -> EngineRequest:
     """An :class:`EngineRequest` from plain values; :class:`InputError` naming the bad one."""
-    try:
-        sampling = Sampling(temperature, top_p, seed)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
+    if seed is None and temperature == 0.0 and top_p == 1.0 and type(temperature) is float and type(top_p) is float:
+        sampling = _GREEDY  # the usual request: one shared (frozen) value, not a new one checked every time
+    else:
+        try:
+            sampling = Sampling(temperature, top_p, seed)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
     if not (isinstance(tokens, np.ndarray) and tokens.ndim == 1):  # an array is kept: the engine checks it as one
         tokens = list(tokens)
     return EngineRequest(tokens, sampling, top_logprobs, transfer_room, timeout)

@@ -54,26 +54,50 @@ class FirstToken:
 
 def choose_first_token(logits: Tensor, sampling: Sampling, top_logprobs: int = 0) -> FirstToken:
     """The first token of one request from its fp32 last-token logits ``[vocab]`` (host work, after the forward)."""
-    row = logits.detach().float().reshape(-1).cpu()
-    logp = torch.log_softmax(row, dim=-1)
-    if sampling.greedy:
-        token = int(torch.argmax(row))
-    else:
-        probs = torch.softmax(row / sampling.temperature, dim=-1)
-        if sampling.top_p < 1.0:
-            order = torch.argsort(probs, descending=True, stable=True)
-            sorted_p = probs[order]
-            # Keep a token while the mass of the tokens before it is below top_p (the first is always kept).
-            keep = (torch.cumsum(sorted_p, 0) - sorted_p) < sampling.top_p
-            mask = torch.zeros_like(probs, dtype=torch.bool)
-            mask[order[keep]] = True
-            probs = torch.where(mask, probs, torch.zeros_like(probs))
-        gen = torch.Generator()
-        gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-        token = int(torch.multinomial(probs, 1, generator=gen))
-    top: list[tuple[int, float]] = []
-    if top_logprobs > 0:
-        k = min(int(top_logprobs), row.shape[0])
-        vals, ids = torch.topk(logp, k)
-        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    return FirstToken(token, float(logp[token]), top)
+    return first_tokens(logits.reshape(1, -1), [sampling], [top_logprobs])[0]
+
+
+def first_tokens(logits: Tensor, samplings, top_logprobs) -> list[FirstToken]:
+    """:func:`choose_first_token` for every row of ``logits [B, vocab]`` (one sampling and top-k per row).
+
+    Why batched: right after a forward the host's caches are cold, and each
+    tensor op costs several times its warm price, so the per-request ops are
+    few -- one copy to the host and one ``log_softmax`` for all rows (the
+    same kernel per row as for a single row, so the same values); a greedy
+    row's argmax and its logprob are read from the host arrays.  A sampled
+    row draws with torch as before (same generator, same numbers).
+    """
+    rows = logits.detach() if logits.requires_grad else logits
+    if rows.dtype != torch.float32:  # each no-op conversion would still be a dispatcher call (cold, after a forward)
+        rows = rows.float()
+    if rows.device.type != "cpu":
+        rows = rows.cpu()
+    logp = torch.log_softmax(rows, dim=-1)
+    rows_np, logp_np = rows.numpy(), logp.numpy()
+    out = []
+    for j, (sampling, k) in enumerate(zip(samplings, top_logprobs)):
+        if sampling.greedy:
+            token = int(rows_np[j].argmax())  # the first maximum (a NaN counts as one), as torch.argmax
+        else:
+            token = _draw(rows[j], sampling)
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            vals, ids = torch.topk(logp[j], min(int(k), rows.shape[1]))
+            top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        out.append(FirstToken(token, float(logp_np[j, token]), top))
+    return out
+
+
+def _draw(row: Tensor, sampling: Sampling) -> int:
+    probs = torch.softmax(row / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        order = torch.argsort(probs, descending=True, stable=True)
+        sorted_p = probs[order]
+        # Keep a token while the mass of the tokens before it is below top_p (the first is always kept).
+        keep = (torch.cumsum(sorted_p, 0) - sorted_p) < sampling.top_p
+        mask = torch.zeros_like(probs, dtype=torch.bool)
+        mask[order[keep]] = True
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+    gen = torch.Generator()
+    gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -142,11 +142,17 @@ class PrefillServer:
         except Exception as exc:  # noqa: BLE001  (never die on one request)
             log.exception("cpgraph serve: %s %s failed", request.method, request.path)
             resp = _error(500, " ".join(f"internal error: {type(exc).__name__}: {exc}".split()), kind="server_error")
-        counter = self._counters.get((endpoint, resp.status))
-        if counter is None:  # one labelled child per (endpoint, status), looked up once
-            counter = self._counters[endpoint, resp.status] = self.metrics.responses.labels(endpoint, str(resp.status))
-        counter.inc()
+        # Counted once the response is on its way: a callback of the loop's next turn runs after aiohttp has
+        # handed it to the socket (its write waits only when the socket is full), and before the loop reads
+        # another request, so a /metrics read after the response counts it.
+        asyncio.get_running_loop().call_soon(self._count, endpoint, resp.status)
         return resp
+
+    def _count(self, endpoint: str, status: int) -> None:
+        counter = self._counters.get((endpoint, status))
+        if counter is None:  # one labelled child per (endpoint, status), looked up once
+            counter = self._counters[endpoint, status] = self.metrics.responses.labels(endpoint, str(status))
+        counter.inc()
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.failed:
@@ -218,14 +224,18 @@ class PrefillServer:
             if bad.status == TIMEOUT:
                 return _error(504, bad.error or "the request timed out", kind="timeout")
             return _error(500, bad.error or f"the request {bad.status}", kind="server_error")
-        for r in results:
-            self.metrics.ttft.observe(r.timings["total"])
+        # The TTFT histogram after the response is written (the loop's next turn), as the response counter.
+        loop.call_soon(self._observe_ttft, results)
         resp = completion_response(comp, results, self.decode)
         if self.transfer_info is not None:
             for c in resp["choices"]:
                 if "kv_transfer" in c:
                     c["kv_transfer"]["peers"] = list(self.transfer_info.get("peers", []))
         return _json(200, resp)
+
+    def _observe_ttft(self, results) -> None:
+        for r in results:
+            self.metrics.ttft.observe(r.timings["total"])
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

@@ -42,6 +42,17 @@ class TokenKey:
         self.start = start
         self.end = len(_arr) if end is None else end
 
+    @classmethod
+    def from_checked(cls, ids: np.ndarray) -> "TokenKey":
+        """A key over a 1-D integer array whose ids the caller has already checked to lie in ``[0, 2**31)``.
+
+        Why: the serving engine checks every prompt against the vocabulary at
+        submit; scanning it again here (dtype, min, max) is work on every
+        request's path for nothing.
+        """
+        arr = np.ascontiguousarray(ids, dtype=_TOKEN)
+        return cls(None, _raw=arr.tobytes(), _arr=arr)
+
     def __len__(self) -> int:
         return self.end - self.start
 

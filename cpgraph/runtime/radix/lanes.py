@@ -42,6 +42,8 @@ class LaneLedger:
     def shortfall(self, counts: np.ndarray) -> dict[int, int]:
         """:meth:`deficit` of per-lane ``counts`` (an allocation counted once, checked, then taken)."""
         short = counts - self.free_pages()
+        if short.max() <= 0:  # the usual case, on every allocation: one reduction
+            return {}
         return {int(r): int(short[r]) for r in np.flatnonzero(short > 0)}
 
     def take(self, owners) -> None:
