@@ -10,17 +10,22 @@ window to two and makes everything else work on a small candidate set:
    registers); the sample's order statistics around the k-th key's expected rank, widened by four
    standard deviations of a sample count, give ``tlo <= T <= thi`` for the k-th key ``T`` with
    overwhelming probability.  Any bracket is correct: only the speed depends on it.
-2. **One pass over the window** counts keys above ``thi`` and copies the rank bits of the keys in
-   ``[tlo, thi]`` (the candidates, a few percent of the window) to a scratch row.  If the counts
-   show that ``T`` is not in the bracket, the bracket becomes everything (a slow but exact path).
-3. **Refine over the candidates** with 32-bin histograms (5 bits of ``u - tlo`` a pass, ~12
+2. **One pass over the window** counts keys above ``thi`` and copies every key ranked at least
+   ``tlo`` -- the keys above ``thi`` and the candidates in ``[tlo, thi]``, together about
+   ``topk`` plus a few percent of the window -- to a list in the scratch row (rank bits and
+   position, in position order).  If the counts show that ``T`` is not in the bracket, the
+   bracket becomes everything (a slow but exact path).
+3. **Refine over the list's candidates** with 32-bin histograms (5 bits of ``u - tlo`` a pass, ~12
    instructions a key, where a 256-bin ``tl.histogram`` costs ~90) until ``T`` and the number of
-   keys equal to ``T`` still to take are exact.  If the candidates did not fit the scratch, the
+   keys equal to ``T`` still to take are exact.  If the list did not fit the scratch, the
    passes read the window itself, filtered to the bracket (correct, slower); a bracket of one
    value (a massive tie) needs no pass at all.
-4. **Collect in position order**: one more pass over the window writes every key above ``T``
-   and the first ties of ``T`` by position, compacted with one packed prefix sum; it stops as
-   soon as ``topk`` keys are out.  No sort: the output is in position order by construction.
+4. **Collect in position order** from the list (every winner ranks at least ``T >= tlo``, so
+   every winner is on it): every entry above ``T`` and the first ties of ``T`` by position,
+   compacted with one packed prefix sum; it stops as soon as ``topk`` keys are out.  So the
+   window is read once, where an earlier form read it a second time here (a 32K-key window is
+   about 8x its list).  Without a list (missed bracket, overflow) the collection walks the
+   window.  No sort: the output is in position order by construction.
 
 Scores map to order-preserving 32-bit rank bits (``-0.0`` -> ``0.0``, one NaN above ``+inf``).
 Why per row: a row's result must depend only on its own scores (CP = single device; tested by
@@ -92,26 +97,34 @@ def _sample_bracket(srow, lo, n, topk, SAMPLE: tl.constexpr):
 
 
 @triton.jit
-def _bracket_step(srow, crow, i0, hi, tlo, thi, n_above, count, cap, BLOCK: tl.constexpr):
-    """One block: count keys above ``thi``; append the rank bits of keys in ``[tlo, thi]`` to ``crow``."""
+def _bracket_step(srow, crow, prow, i0, hi, tlo, thi, n_above, total, cap, BLOCK: tl.constexpr):
+    """One block: count keys above ``thi``; append every key ``>= tlo`` (rank bits, position) to the row's list.
+
+    The list holds, in position order, every key that can win when the bracket holds (all of them
+    rank at least ``tlo``): the keys above ``thi`` and the candidates in ``[tlo, thi]``.  So the
+    refinement reads only the list, and the collection walks the list instead of the window.
+    """
     pos = i0 + tl.arange(0, BLOCK)
     valid = pos < hi
     u = _rank_bits(tl.load(srow + pos, mask=valid, other=0.0))
     above = (valid & (u > thi)).to(tl.int32)
-    inb = (valid & (u >= tlo) & (u <= thi)).to(tl.int32)
-    run = tl.cumsum(inb, axis=0) - inb  # exclusive
-    slot = count + run
-    tl.store(crow + slot, u.to(tl.int32, bitcast=True), mask=(inb != 0) & (slot < cap))
-    both = tl.sum(above | (inb << 16), axis=0)
-    return n_above + (both & 0xFFFF), count + (both >> 16)
+    keep = (valid & (u >= tlo)).to(tl.int32)
+    run = tl.cumsum(keep, axis=0) - keep  # exclusive
+    slot = total + run
+    ok = (keep != 0) & (slot < cap)
+    tl.store(crow + slot, u.to(tl.int32, bitcast=True), mask=ok)
+    tl.store(prow + slot, pos, mask=ok)
+    both = tl.sum(above | (keep << 16), axis=0)
+    return n_above + (both & 0xFFFF), total + (both >> 16)
 
 
 @triton.jit
 def _digit_hist(srow, crow, lo, hi, count, direct, tlo, thi, prefix, shift, low, BLOCK: tl.constexpr):
     """32-bin histogram of bits ``[low, shift)`` of ``u - tlo`` over candidates whose bits from ``shift`` equal ``prefix``.
 
-    Candidates are the scratch row's ``count`` rank bits, or with ``direct`` the window's keys
-    in ``[tlo, thi]``.  ``(x >> (shift - 1)) >> 1`` keeps every shift below 32.
+    Candidates are the list's ``count`` entries in ``[tlo, thi]`` (the list also holds the keys
+    above ``thi``), or with ``direct`` the window's keys in ``[tlo, thi]``.
+    ``(x >> (shift - 1)) >> 1`` keeps every shift below 32.
     """
     hist = tl.zeros((32,), tl.int32)
     width = shift - low
@@ -133,7 +146,7 @@ def _digit_hist(srow, crow, lo, hi, count, direct, tlo, thi, prefix, shift, low,
             valid = i < count
             u = tl.load(crow + i, mask=valid, other=0).to(tl.uint32, bitcast=True)
             rel = u - tlo
-            m = valid & (((rel >> (shift - 1).to(tl.uint32)) >> 1) == prefix)
+            m = valid & (u <= thi) & (((rel >> (shift - 1).to(tl.uint32)) >> 1) == prefix)
             hist += tl.histogram(((rel >> low.to(tl.uint32)) & mask_bits).to(tl.int32), 32, mask=m)
             i0 += BLOCK
     return hist
@@ -166,17 +179,23 @@ def _refine(srow, crow, lo, hi, count, direct, tlo, thi, need, BLOCK: tl.constex
 
 
 @triton.jit
-def _collect_step(srow, orow, kv_slots, i0, hi, threshold, need, taken, ties, topk, PAGED: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _collect_step(srow, crow, prow, orow, kv_slots, i0, hi, threshold, need, taken, ties, topk,
+                  FROM_LIST: tl.constexpr, PAGED: tl.constexpr, BLOCK: tl.constexpr):
     """Write one block's winners (above ``threshold``, or equal and among the first ``need`` ties) in position order.
 
-    The selected ties of a block are a prefix of its ties, so the winners before a key number
-    ``above_before + min(ties_before, room)`` with ``room = need - ties``: one packed scan of both
-    flags (a block holds fewer than 2^15 keys).
+    A block is window keys ``[i0, i0 + BLOCK)`` or, ``FROM_LIST``, list entries (position order
+    too).  The selected ties of a block are a prefix of its ties, so the winners before a key
+    number ``above_before + min(ties_before, room)`` with ``room = need - ties``: one packed scan
+    of both flags (a block holds fewer than 2^15 keys).
     """
-    pos = i0 + tl.arange(0, BLOCK)
-    valid = pos < hi
-    u = _rank_bits(tl.load(srow + pos, mask=valid, other=0.0))
+    idx = i0 + tl.arange(0, BLOCK)
+    valid = idx < hi
+    if FROM_LIST:
+        u = tl.load(crow + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        pos = tl.load(prow + idx, mask=valid, other=0)
+    else:
+        u = _rank_bits(tl.load(srow + idx, mask=valid, other=0.0))
+        pos = idx
     above = (valid & (u > threshold)).to(tl.int32)
     eq = (valid & (u == threshold)).to(tl.int32)
     both = above | (eq << 16)
@@ -217,7 +236,8 @@ def _select_kernel(
     lo, hi = _window(ks, ke, row, n_keys)
     n = hi - lo
     srow = scores + local.to(tl.int64) * score_stride
-    crow = cand + local.to(tl.int64) * cand_stride
+    crow = cand + local.to(tl.int64) * cand_stride  # list: rank bits in [0, cap), positions in [cap, 2 cap)
+    prow = crow + cand_cap
     orow = out + row.to(tl.int64) * topk
     if n <= topk:  # the whole window, in order, then -1
         j0 = 0
@@ -234,35 +254,51 @@ def _select_kernel(
     else:
         tlo, thi = _sample_bracket(srow, lo, n, topk, SAMPLE)
         n_above = tl.full((), 0, tl.int32)
-        count = tl.full((), 0, tl.int32)
+        total = tl.full((), 0, tl.int32)
         if LOOP_WHILE:
             i0 = lo
             while i0 < hi:
-                n_above, count = _bracket_step(srow, crow, i0, hi, tlo, thi, n_above, count, cand_cap, BLOCK)
+                n_above, total = _bracket_step(srow, crow, prow, i0, hi, tlo, thi, n_above, total, cand_cap, BLOCK)
                 i0 += BLOCK
         else:
             for i0 in range(lo, hi, BLOCK):
-                n_above, count = _bracket_step(srow, crow, i0, hi, tlo, thi, n_above, count, cand_cap, BLOCK)
-        hit = (n_above < topk) & (n_above + count >= topk)
+                n_above, total = _bracket_step(srow, crow, prow, i0, hi, tlo, thi, n_above, total, cand_cap, BLOCK)
+        hit = (n_above < topk) & (total >= topk)
         # A missed bracket (a sample far from the row's distribution) falls back to everything: exact, slower.
         tlo = tl.where(hit, tlo, tl.full((), 0, tl.uint32))
         thi = tl.where(hit, thi, tl.full((), 0xFFFFFFFF, tl.uint32))
         n_above = tl.where(hit, n_above, 0)
-        direct = (~hit) | (count > cand_cap)
-        tl.debug_barrier()  # candidates written by other threads of this program
-        threshold, need = _refine(srow, crow, lo, hi, count, direct, tlo, thi, topk - n_above, BLOCK)
+        # A list that did not fit the scratch also reads the window: exact, slower.
+        direct = (~hit) | (total > cand_cap)
+        tl.debug_barrier()  # list entries written by other threads of this program
+        threshold, need = _refine(srow, crow, lo, hi, total, direct, tlo, thi, topk - n_above, BLOCK)
         taken = tl.full((), 0, tl.int32)
         ties = tl.full((), 0, tl.int32)
-        i0 = lo
-        while (i0 < hi) & (taken < topk):  # stops once every winner is out
-            taken, ties = _collect_step(srow, orow, kv_slots, i0, hi, threshold, need, taken, ties, topk, PAGED,
-                                        BLOCK)
-            i0 += BLOCK
+        if direct:
+            i0 = lo
+            while (i0 < hi) & (taken < topk):  # stops once every winner is out
+                taken, ties = _collect_step(srow, crow, prow, orow, kv_slots, i0, hi, threshold, need, taken, ties,
+                                            topk, False, PAGED, BLOCK)
+                i0 += BLOCK
+        else:
+            i0 = 0
+            while (i0 < total) & (taken < topk):  # the list: every winner, in position order
+                taken, ties = _collect_step(srow, crow, prow, orow, kv_slots, i0, total, threshold, need, taken,
+                                            ties, topk, True, PAGED, BLOCK)
+                i0 += BLOCK
+
+
+def list_capacity(n_keys: int, topk: int) -> int:
+    """Entries of a row's list: the keys above the bracket (< topk) plus its candidates (~1/8 of a long window).
+
+    A list that does not fit falls back to reading the window (exact, slower).
+    """
+    return max(1, min(n_keys, topk + max(topk, n_keys // 8)))
 
 
 def scratch_columns(n_keys: int, topk: int) -> int:
-    """Candidate scratch per row: room for a bracket's candidates (more fall back to reading the window)."""
-    return max(1, min(n_keys, max(2 * topk, n_keys // 8)))
+    """Scratch columns per row: the list's rank bits, then its positions."""
+    return 2 * list_capacity(n_keys, topk)
 
 
 def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots=None, *, scratch=None,
@@ -270,8 +306,8 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
     """Top-k of rows ``[row0, row0 + m_rows)`` (scores in ``scores[0:m_rows]``) into ``out`` (int32 ``[M, topk]``).
 
     RAGGED ids, or PAGED slots ``kv_slots[t]`` when ``kv_slots`` is given, in position order.
-    ``scratch`` (int32 ``[>= m_rows, C]``, any ``C >= 1``) holds a row's candidates; allocated here
-    (``C =`` :func:`scratch_columns`) when not given.  The keyword arguments after it are tuning
+    ``scratch`` (int32 ``[>= m_rows, C]``, any ``C >= 1``) holds a row's list (``C // 2`` entries of
+    rank bits, then their positions); allocated here (``C =`` :func:`scratch_columns`) when not given.  The keyword arguments after it are tuning
     knobs for benchmarks; none changes the result.
     """
     if m_rows <= 0:
@@ -293,7 +329,7 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
     cap = _TUNE["SELECT_MAXNREG"] if maxnreg is None else maxnreg
     _select_kernel[(m_rows,)](
         scores, ks, ke, kv_slots if paged else ks, out, scratch, row0, m_rows, N, scores.stride(0), scratch.stride(0),
-        scratch.shape[1], topk,
+        scratch.shape[1] // 2, topk,
         KP=kp, BLOCK=block, SAMPLE=sample, PAGED=paged, LOOP_WHILE=interpreting(),
         LAST_ROW_FIRST=_TUNE["SELECT_LAST_ROW_FIRST"],
         num_warps=num_warps or (4 if interpreting() else _TUNE["SELECT_WARPS"]),

@@ -311,8 +311,9 @@ def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logit
 
 
 def _select_scratch_columns(n_keys: int, topk: int) -> int:
-    """Candidate columns per row of the Triton select kernel (``cpgraph.kernels.topk_select.scratch_columns``)."""
-    return max(1, min(n_keys, max(2 * topk, n_keys // 8)))
+    """Scratch columns per row of the Triton select kernel (``cpgraph.kernels.topk_select.scratch_columns``):
+    its list's rank bits and positions."""
+    return 2 * max(1, min(n_keys, topk + max(topk, n_keys // 8)))
 
 
 def _chunked_topk(t: _Tape, R: int, N: int, topk: int, max_logits_bytes: int) -> None:
