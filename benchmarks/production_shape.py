@@ -385,7 +385,7 @@ CATEGORIES = (
     ("indexer select", r"_select_kernel|topk_select|select_topk|radix_select|indexer_select"),
     ("indexer score", r"_score_kernel|mqa_logits|indexer_logits|cpgraph::indexer_topk"),
     ("routed experts", r"(?i)group(ed)?_?(mm|gemm)|GroupProblemShape|_swiglu_quant_kernel|_combine_kernel"
-                       r"|cpgraph::(invariant_)?moe_experts|^_grouped_kernel$"),
+                       r"|cpgraph::(invariant_)?moe_experts|^_grouped_kernel$|deep_gemm::GemmType\)[125]\b"),
     ("query assembly", r"^triton_\w*fused\w*_cat"),
     ("dense linears", r"(?i)nvjet|gemm|gemv|xmma|cutlass|cublas|scaled_mm|_quantize_kernel"
                       r"|aten::(mm|addmm|bmm|matmul|linear)$|cpgraph::fp8_block_linear|cpgraph::invariant_(mm|fp8_linear)"

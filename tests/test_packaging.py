@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Third-party modules the package imports only where their absence is handled; module -> why optional.
 OPTIONAL = {
     "flash_mla": "sparse_mla provider, installed by hand with --no-deps (docs/kernels.md); else Triton",
-    "deep_gemm": "indexer provider from carried wheels (docs/ops/indexer.md); else Triton",
+    "deep_gemm": "FP8 experts' grouped GEMM and the opt-in indexer provider, built from source against the "
+                 "installed torch (docs/ops/fp8_linear.md); else Triton",
     "mooncake": "the transfer engine, extra 'transfer'; else an error naming the extra",
     "aiohttp": "cpgraph serve's HTTP stack, extra 'serve'; cli_serve checks it first and names the extra",
     "prometheus_client": "cpgraph serve's /metrics, extra 'serve'; checked with aiohttp",
@@ -32,7 +33,7 @@ OPTIONAL = {
     "transformers": "a checkpoint's tokenizer (--prompt) and the PD reference model (heavy, so not declared)",
 }
 # Wheels that must be installed with --no-deps (their metadata asks for a torch that would replace ours).
-NO_DEPS_ONLY = {"sgl-flash-mla", "sgl-deep-gemm"}
+NO_DEPS_ONLY = {"sgl-flash-mla", "sgl-deep-gemm", "deepinfer-gemm"}
 
 
 def _project() -> dict:

@@ -7,8 +7,9 @@ combine (:mod:`.moe_combine`: fp32 in registers, a fixed slot order, so a
 row's result depends only on that row) and, on CUDA, the SwiGLU between the
 GEMMs (:mod:`.swiglu`: one pass over the routed rows).
 
-FP8 experts (e4m3 stacks with block scales) take the Triton grouped FP8
-GEMM of :mod:`.fp8_grouped` instead.
+FP8 experts (e4m3 stacks with block scales) take DeepGEMM's grouped GEMM
+where it is installed and applies (:mod:`.deep_gemm_experts`), else the
+Triton grouped FP8 GEMM of :mod:`.fp8_grouped`.
 
 Operands the grouped GEMM does not take (fp32 or fp16 on CUDA, row strides
 not 16-byte aligned) run the dense reference; the call is counted under
@@ -25,6 +26,7 @@ from cpgraph.ops import ledger
 from cpgraph.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_reference
 from cpgraph.ops.providers import REFERENCE
 
+from . import deep_gemm_experts
 from .fp8_grouped import moe_experts_fp8
 from .moe_combine import combine
 from .move import take_rows
@@ -48,9 +50,13 @@ def moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None, gate_up_scal
                 block_n=128, block_k=128, act_scale_pow2=False) -> Tensor:
     """Provider: grouped GEMMs + Triton combine where ``torch._grouped_mm`` takes the operands.
 
-    FP8 experts (block scales given) run :func:`cpgraph.kernels.fp8_grouped.moe_experts_fp8`.
+    FP8 experts (block scales given) run DeepGEMM's grouped GEMM where it applies
+    (:mod:`.deep_gemm_experts`), else :func:`cpgraph.kernels.fp8_grouped.moe_experts_fp8`.
     """
     if gate_up_scale is not None:
+        if deep_gemm_experts.choose(x, gate_up, down, block_n, block_k):
+            return deep_gemm_experts.moe_experts_fp8(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale,
+                                                     down_scale, block_n, block_k, act_scale_pow2)
         return moe_experts_fp8(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale,
                                block_n, block_k, act_scale_pow2)
     if not grouped_mm_supported(x, gate_up):
@@ -62,6 +68,8 @@ def moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid=None, gate_up_scal
     # eager forms stay, so the CPU numerics and interpreter time of this path are unchanged (the kernels' own
     # tests run them under the interpreter).
     cuda = x.is_cuda
+    if cuda and deep_gemm_experts.choose_bf16(x, gate_up):
+        return deep_gemm_experts.moe_experts_bf16(x, topk_ids, topk_w, gate_up, down, num_valid)
     return moe_experts_grouped(x, topk_ids, topk_w, gate_up, down, num_valid, combine=combine,
                                swiglu=swiglu if cuda else None, take_rows=take_rows if cuda else None)
 
