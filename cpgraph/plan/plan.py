@@ -521,6 +521,68 @@ def plan_prefill(
     offending request and value on bad input.  The result depends only on the
     arguments, so every rank computes the same plan without communicating.
     """
+    plan = _one_request_plan(prefix_lens, extend_lens, cp_size, page_size, row_align)
+    if plan is not None:
+        return plan
     prefix, extend = _check_inputs(prefix_lens, extend_lens, cp_size, page_size, row_align)
     split = split_requests(np.asarray(extend, dtype=np.int64), cp_size=int(cp_size), page_size=int(page_size))
     return CPPlan(prefix, extend, split, int(row_align))
+
+
+def _one_request_plan(prefix_lens, extend_lens, cp_size, page_size, row_align) -> CPPlan | None:
+    """:func:`plan_prefill` of one request without CP, from Python ints (``None``: take the general path).
+
+    Why: the serving engine plans every step, and at idle a step is one request on one rank.  The general
+    path costs ~35 NumPy calls (the chunk table, cumsums, bincounts over ``[B, 2cp]`` arrays), and right
+    after a forward, with the host's caches cold, each costs several times its warm price; here the same
+    table is a handful of Python integers put into arrays once.  Every field equals the general path's
+    (same values, dtypes and shapes: ``tests/plan/test_plan.py``).  Anything unusual -- another type, a
+    bound crossed, a bad value -- goes to the general path, which checks it and names what is wrong.
+    """
+    if type(cp_size) is not int or cp_size != 1 or type(page_size) is not int or type(row_align) is not int:
+        return None
+    if type(prefix_lens) not in (list, tuple) or type(extend_lens) not in (list, tuple):
+        return None
+    if len(extend_lens) != 1 or len(prefix_lens) != 1:
+        return None
+    p, e = prefix_lens[0], extend_lens[0]
+    if type(p) is not int or type(e) is not int:
+        return None
+    ps = page_size
+    if not (1 <= ps <= MAX_ROWS and not ps & (ps - 1) and 1 <= row_align <= MAX_ROWS):
+        return None
+    if not (1 <= e <= MAX_ROWS and 0 <= p <= MAX_ROWS and not p % ps):
+        return None
+    pages = -(-e // ps)
+    num_rows = -(-e // row_align) * row_align
+    if p + pages * ps > MAX_ROWS or num_rows > MAX_ROWS:
+        return None
+    # split_requests for one request and 2 chunks: the first chunk takes the odd page (the remainder goes
+    # to the front chunks), token bounds clipped to the extend length.
+    mid = (pages + 1) // 2
+    t0 = min(mid * ps, e)
+    i64 = np.int64
+    ext = np.array([e], dtype=i64)
+    num_pages = np.array([pages], dtype=i64)
+    split = Split(1, ps, ext, num_pages, np.array([[0, mid]], dtype=i64), np.array([[mid, pages]], dtype=i64),
+                  np.array([[0, t0]], dtype=i64), np.array([[t0, e]], dtype=i64))
+    plan = CPPlan.__new__(CPPlan)  # the attributes CPPlan.__init__ sets, in its order
+    plan.cp_size, plan.page_size, plan.row_align = 1, ps, row_align
+    plan.prefix_lens = np.array([p], dtype=i64)
+    plan.extend_lens = ext
+    plan.split = split
+    plan.num_requests = 1
+    plan.num_tokens = e
+    plan.extend_start = np.zeros(1, dtype=i64)
+    plan.num_pages = num_pages
+    plan.kv_lens = np.array([p + pages * ps], dtype=i64)
+    plan.kv_start = np.zeros(1, dtype=i64)
+    plan.valid_per_rank = np.array([e], dtype=i64)
+    plan.compute_rows = e
+    plan.num_rows = num_rows
+    plan._seg_chunk = _seg_chunks(1)
+    plan._seg_len = np.array([[t0, e - t0]], dtype=i64)
+    plan._seg_row = np.array([[0, t0]], dtype=i64)
+    plan._extend_page_owner = None
+    plan._last_token = None
+    return plan

@@ -336,3 +336,66 @@ def test_materialize_bounds_slots_and_gathered_rows():
     big = plan_prefill([2**30], [5], cp_size=2, page_size=2**20)  # 1024 prefix pages, all on rank 0
     with pytest.raises(ValueError, match=r"all-gather would have 2 ranks x \(1073741824 prefix \+ 5 compute\)"):
         materialize_descriptors(big, [[0] * 1024], [list(range(1024))], rank=0)
+
+
+def _general_plan(prefix, extend, page, align):
+    """The general path of ``plan_prefill`` (NumPy int lengths skip the one-request fast path)."""
+    return plan_prefill([np.int64(prefix)], [np.int64(extend)], cp_size=1, page_size=page, row_align=align)
+
+
+def _assert_same_plan(fast, slow):
+    assert type(fast) is type(slow)
+    a, b = vars(fast), vars(slow)
+    assert a.keys() == b.keys()
+    for k in a:
+        if k == "split":
+            continue
+        x, y = a[k], b[k]
+        if isinstance(y, np.ndarray):
+            assert isinstance(x, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape, k
+            assert np.array_equal(x, y), k
+        else:
+            assert type(x) is type(y) and x == y, k
+    for k in ("cp_size", "page_size"):
+        assert getattr(fast.split, k) == getattr(slow.split, k)
+    for k in ("extend_lens", "num_pages", "page_start", "page_end", "tok_start", "tok_end"):
+        x, y = getattr(fast.split, k), getattr(slow.split, k)
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), k
+    assert fast.extend_lens is fast.split.extend_lens and fast.num_pages is fast.split.num_pages  # as __init__
+    assert json.dumps(fast.to_dict(), sort_keys=True) == json.dumps(slow.to_dict(), sort_keys=True)
+    rf, rs = fast.rank(0, rerange=True), slow.rank(0, rerange=True)
+    for k, t in rs.tensors().items():
+        assert torch.equal(rf.tensors()[k], t), k
+    assert (rf.num_rows, rf.num_valid, rf.compute_padding, rf.static_padding) == \
+        (rs.num_rows, rs.num_valid, rs.compute_padding, rs.static_padding)
+
+
+@pytest.mark.parametrize("page", [1, 2, 16, 64])
+@pytest.mark.parametrize("align", [1, 3, 16])
+def test_one_request_fast_path_equals_the_general_path(page, align):
+    from cpgraph.plan import plan as plan_mod
+
+    for extend in (1, 2, page - 1, page, page + 1, 2 * page, 3 * page + 1, 377):
+        if extend < 1:
+            continue
+        for prefix in (0, page, 5 * page):
+            fast = plan_prefill([prefix], [extend], cp_size=1, page_size=page, row_align=align)
+            assert plan_mod._one_request_plan([prefix], [extend], 1, page, align) is not None  # it is the fast path
+            _assert_same_plan(fast, _general_plan(prefix, extend, page, align))
+
+
+@given(st.integers(0, 40), st.integers(1, 5000), st.sampled_from([1, 4, 16, 64]), st.integers(1, 100))
+@settings(max_examples=200, deadline=None)
+def test_one_request_fast_path_equals_the_general_path_random(prefix_pages, extend, page, align):
+    _assert_same_plan(plan_prefill((prefix_pages * page,), (extend,), cp_size=1, page_size=page, row_align=align),
+                      _general_plan(prefix_pages * page, extend, page, align))
+
+
+@pytest.mark.parametrize("args", [
+    ([0], [0], 1, 16, 1), ([-16], [5], 1, 16, 1), ([8], [5], 1, 16, 1), ([0], [5], 1, 12, 1), ([0], [5], 1, 16, 0),
+    ([0], [True], 1, 16, 1), ([0], [5], True, 16, 1), ([0], [5], 2, 16, 1), ([0, 0], [5, 5], 1, 16, 1),
+    ([0], [2**31], 1, 16, 1), ([2**31 - 16], [17], 1, 16, 1), ([0], [5.0], 1, 16, 1)])
+def test_one_request_fast_path_leaves_the_unusual_to_the_general_path(args):
+    from cpgraph.plan import plan as plan_mod
+
+    assert plan_mod._one_request_plan(*args) is None  # the general path checks it (and raises where it is bad)
