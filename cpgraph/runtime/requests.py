@@ -57,37 +57,52 @@ class RequestResult:
 
 
 class RequestHandle:
-    """What :meth:`PrefillEngine.submit` returns: poll :meth:`done`, read :attr:`result`, or :meth:`wait`."""
+    """What :meth:`PrefillEngine.submit` returns: poll :meth:`done`, read :attr:`result`, or :meth:`wait`.
+
+    One lock, and a :class:`threading.Event` only once a thread waits: the HTTP server never waits (it takes
+    the result through :meth:`add_done_callback`), and an ``Event`` is a ``Condition`` and a second lock,
+    built for every request and set on its answer (Python code in ``threading``, run with the host's caches
+    cold right after a forward).
+    """
 
     def __init__(self, rid: int, request: EngineRequest):
         self.id, self.request = rid, request
         self.result: RequestResult | None = None
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None  # created by the first wait() before the answer
         self._callbacks: list[Callable[["RequestHandle"], None]] = []
         self._lock = threading.Lock()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> RequestResult | None:
-        self._event.wait(timeout)
+        with self._lock:
+            if self._done:
+                return self.result
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        event.wait(timeout)
         return self.result
 
     def add_done_callback(self, fn: Callable[["RequestHandle"], None]) -> None:
         """``fn(handle)`` once the result is set (at once if it is): runs in the thread that finished it."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(fn)
                 return
         fn(self)
 
     def _finish(self, result: RequestResult) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self.result = result
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
+            self._done = True
+            event, callbacks, self._callbacks = self._event, self._callbacks, []
+        if event is not None:
+            event.set()
         for fn in callbacks:
             try:
                 fn(self)

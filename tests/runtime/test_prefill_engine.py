@@ -117,3 +117,28 @@ def test_l2_hits_are_loaded_back_and_reported_per_tier(model):
     assert r.status == "finished" and r.cached_tokens == {"device": 0, "host": 64} and r.computed_tokens == 6
     assert r.token == first.result.token and abs(r.logprob - first.result.logprob) <= TOL
     assert eng.snapshot()["cached_tokens"]["host"] == 64
+
+
+def test_request_handle_wait_done_and_callbacks():
+    """The handle builds its Event only for a waiter; wait, done and callbacks behave as with one from the start."""
+    import threading
+    import time
+
+    from cpgraph.runtime.requests import RequestHandle, RequestResult
+
+    h = RequestHandle(1, None)
+    assert not h.done() and h.wait(0.01) is None  # a timed-out wait returns no result
+    got, res = [], RequestResult("finished", 3)
+    h.add_done_callback(lambda hh: got.append(("before", hh.result)))
+    waiter = threading.Thread(target=lambda: got.append(("waiter", h.wait(10))))
+    waiter.start()
+    time.sleep(0.02)
+    h._finish(res)
+    waiter.join(10)
+    h._finish(RequestResult("failed", 3))  # a second finish changes nothing
+    h.add_done_callback(lambda hh: got.append(("after", hh.result)))  # at once, in this thread
+    assert h.done() and h.wait() is res and h.result is res
+    assert sorted(got, key=lambda g: g[0]) == [("after", res), ("before", res), ("waiter", res)]
+    fresh = RequestHandle(2, None)  # no waiter before the answer: no Event at all
+    fresh._finish(res)
+    assert fresh._event is None and fresh.wait() is res
