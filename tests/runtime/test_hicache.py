@@ -260,3 +260,22 @@ def test_cli_run_cache(capsys):
     assert main(["run", "--model", "tiny-glm5", "--evict", "--quiet"]) == 2
     assert main(["run", "--model", "tiny-glm5", "--cache", "--prefix-lens", "0,0,0,0", "--quiet"]) == 2
     assert "drop --prefix-lens" in capsys.readouterr().err
+
+
+def test_one_lane_alloc_fast_path_equals_the_general_path():
+    """One lane, owners an int64 array of zeros (the engine's allocation without CP): same pages, same ledger,
+    same deficit, as the general path (owners as a list)."""
+    fast, slow = DevicePages(_pool(0, 6), 1), DevicePages(_pool(0, 6), 1)
+    for n in (0, 2, 3):
+        a, b = fast.alloc(np.zeros(n, dtype=np.int64)), slow.alloc([0] * n)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
+        assert fast.ledger.used.tolist() == slow.ledger.used.tolist() and fast.pool.num_free == slow.pool.num_free
+    for d in (fast, slow):
+        with pytest.raises(LaneDeficit) as exc:
+            d.alloc(np.zeros(4, dtype=np.int64))
+        assert exc.value.deficits == {0: 3}
+        assert d.ledger.used.tolist() == [5] and d.pool.num_free == 1  # nothing taken
+    with pytest.raises(ValueError, match="owner outside"):  # not all zeros: the general path checks them
+        fast.alloc(np.array([0, -1], dtype=np.int64))
+    fast.free(np.array([0, 1], dtype=np.int64), np.zeros(2, dtype=np.int64))
+    assert fast.alloc(np.zeros(1, dtype=np.int64)).tolist() == [0]  # lowest free id first, as before
