@@ -202,9 +202,10 @@ class PrefillServer:
         futures, handles = [], []
         for tokens in comp.prompts:
             fut = loop.create_future()
+            # parse_completion checked the ids against the engine's vocabulary: submit takes them as they are.
             h = self.engine.submit(engine_request(tokens, temperature=comp.temperature, top_p=comp.top_p,
                                                   seed=comp.seed, top_logprobs=comp.logprobs or 0,
-                                                  transfer_room=room))
+                                                  transfer_room=room), checked=True)
             h.add_done_callback(lambda h, fut=fut: loop.call_soon_threadsafe(_resolve, fut, h.result))
             futures.append(fut)
             handles.append(h)
