@@ -53,6 +53,11 @@ def layer_hooks(
         _HOOKS.update(previous)
 
 
+def hooks_installed() -> bool:
+    """Whether any hook is installed now (a caller with nothing to install may then skip :func:`layer_hooks`)."""
+    return _HOOKS["ready"] is not None or _HOOKS["written"] is not None
+
+
 def _check(op: str, pool, layer) -> None:
     if not isinstance(pool, Tensor):
         raise ValueError(f"cpgraph.{op}: argument 'pool' must be a tensor, got {type(pool).__name__}")

@@ -67,13 +67,14 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from typing import Callable
 
 import numpy as np
 import torch
 
 from cpgraph.ops.checks import debug_enabled
-from cpgraph.ops.layer_events import layer_hooks
+from cpgraph.ops.layer_events import hooks_installed, layer_hooks
 from cpgraph.plan import plan_prefill
 
 from .cache_engine import CacheEngine, PrefixMatch
@@ -571,6 +572,13 @@ class PrefillEngine:
 
     def _available(self) -> np.ndarray:
         """Pages per lane that admissions may still promise: free + evictable - reserved by running requests."""
+        if self.cp_size == 1:  # one lane: Python ints, one array (this runs at every admission)
+            ledger = self.cache.device.ledger
+            free = int(ledger.capacity[0]) - int(ledger.used[0]) + int(self.cache.evictable_by_lane()[0])
+            for r in self.scheduler.running:
+                if r.reserve is not None:
+                    free -= int(r.reserve[0])
+            return np.array([free], dtype=np.int64)
         reserved = np.zeros(self.cp_size, dtype=np.int64)
         for r in self.scheduler.running:
             if r.reserve is not None:
@@ -603,13 +611,14 @@ class PrefillEngine:
     def _run(self, chunks: list[tuple[int, int, int]]) -> list[RequestHandle]:
         """Allocate, forward and finish one step's chunks (every rank, same order)."""
         ps = self.page_size
+        debug = debug_enabled()  # read once a step (an environment lookup each time it is called)
         lives = [self._live[rid] for rid, _, _ in chunks]
         plan = plan_prefill([s for _, s, _ in chunks], [e - s for _, s, e in chunks], cp_size=self.cp_size,
                             page_size=ps)
         try:
             for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
                 owners = chunk_owners(s, e, self.cp_size, ps)  # what the reservation counted
-                if debug_enabled() and not np.array_equal(owners, plan.page_owners(j)):
+                if debug and not np.array_equal(owners, plan.page_owners(j)):
                     raise AssertionError("prefill engine: a chunk's page owners differ from its reservation")
                 pages = self.cache.alloc(owners)
                 live.own_pages.append(pages)
@@ -630,7 +639,10 @@ class PrefillEngine:
             t0 = time.perf_counter()
             replays0, prepared0 = graph_counts(self.cache.forward)
             compiles0 = _compiles()
-            with layer_hooks(on_ready=wait_for_layer if loads else None):
+            # No load-back to wait for and no hook installed: the with-block would install None over None
+            # and restore it (a generator context manager, several Python calls on every step).
+            with layer_hooks(on_ready=wait_for_layer if loads else None) if loads or hooks_installed() else \
+                    nullcontext():
                 out, _ = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
                                                                   zip(lives, chunks)],
                                        [t for t, _ in tables], [o[: s // ps] for (_, o), (_, s, _) in
@@ -686,7 +698,8 @@ class PrefillEngine:
             self._live.pop(live.id, None)
         if self.cp_size == 1 and self.is_leader and self.commit_delay > 0:
             self._pending += done
-            check_consistent(self.cache.tree, self.group, device=self.device)
+            if debug:  # (it checks the flag again itself; read once per step here, before the answers)
+                check_consistent(self.cache.tree, self.group, device=self.device)
             # Delivered last: a waiting thread (the event loop, woken by the answer's callback) needs the GIL,
             # which this thread holds until it blocks -- right after this step, in wait_for_work.  Answered
             # before the step's own bookkeeping, the loop woke only to wait for the GIL through it.
@@ -695,7 +708,8 @@ class PrefillEngine:
             _deliver(answers)
             for live in done:
                 self._commit(live)
-            check_consistent(self.cache.tree, self.group, device=self.device)
+            if debug:
+                check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
 
     def _send(self, live: _Live, table: np.ndarray, s: int, e: int, last: bool, choice) -> None:

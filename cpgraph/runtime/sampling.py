@@ -70,7 +70,7 @@ def first_tokens(logits: Tensor, samplings, top_logprobs) -> list[FirstToken]:
     rows = logits.detach() if logits.requires_grad else logits
     if rows.dtype != torch.float32:  # each no-op conversion would still be a dispatcher call (cold, after a forward)
         rows = rows.float()
-    if rows.device.type != "cpu":
+    if not rows.is_cpu:  # (a flag: ``.device`` builds a device object)
         rows = rows.cpu()
     logp = torch.log_softmax(rows, dim=-1)
     rows_np, logp_np = rows.numpy(), logp.numpy()

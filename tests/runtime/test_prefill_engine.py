@@ -142,3 +142,25 @@ def test_request_handle_wait_done_and_callbacks():
     fresh = RequestHandle(2, None)  # no waiter before the answer: no Event at all
     fresh._finish(res)
     assert fresh._event is None and fresh.wait() is res
+
+
+def test_one_lane_available_pages_equal_the_lane_arithmetic(model):
+    """``_available`` on one lane (ints) against free + evictable - reserved computed with the lane arrays."""
+    engine = _engine(model, num_pages=40)
+    prompts = _prompts([70, 33, 90], 3)
+    handles = [engine.submit(engine_request(p)) for p in prompts]
+    seen = 0
+    while not all(h.done() for h in handles):
+        reserved = np.zeros(1, dtype=np.int64)
+        for r in engine.scheduler.running:
+            if r.reserve is not None:
+                reserved += r.reserve
+        want = engine.cache.device.ledger.free_pages() + engine.cache.evictable_by_lane() - reserved
+        got = engine._available()
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+        seen += bool(engine.scheduler.running)
+        engine.step()
+    engine.sync()
+    assert seen  # some steps had running requests with reservations
+    assert engine._available().tolist() == (engine.cache.device.ledger.free_pages()
+                                             + engine.cache.evictable_by_lane()).tolist()
