@@ -58,6 +58,7 @@ from cpgraph.ops import ledger
 from cpgraph.ops.moe import dispatch_plan
 
 from ._launch import interpreting
+from .deep_gemm_lib import import_error, load, machine_reason
 from .fp8_grouped import swiglu_quantize
 from .fp8_linear import quantize_activations
 from .moe_combine import combine
@@ -73,10 +74,6 @@ OP = "moe_experts"
 NAME = "deep_gemm"
 ALIGN = 128  # DeepGEMM's M alignment of an expert's segment on SM90 (its block M for grouped layouts)
 
-_module = None
-_import_error: str | None = None
-
-
 def backend() -> str:
     choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if choice not in BACKENDS:
@@ -89,36 +86,6 @@ def bf16_backend() -> str:
     if choice not in BF16_BACKENDS:
         raise ValueError(f"{BF16_ENV} must be one of {', '.join(BF16_BACKENDS)}, got {choice!r}")
     return BF16_AUTO if choice == "auto" else choice
-
-
-def load():
-    """``deep_gemm`` imported once, or ``None`` (the reason in :func:`import_error`)."""
-    global _module, _import_error
-    if _module is not None or _import_error is not None:
-        return _module
-    try:
-        import deep_gemm
-
-        if not hasattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous"):
-            raise ImportError(f"deep_gemm {getattr(deep_gemm, '__version__', '?')} has no "
-                              "m_grouped_fp8_gemm_nt_contiguous")
-        _module = deep_gemm
-    except Exception as exc:  # noqa: BLE001 - any failure to load means "not available", with the reason
-        _import_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-    return _module
-
-
-def import_error() -> str | None:
-    return _import_error
-
-
-def machine_reason(x: Tensor) -> str | None:
-    """Why this machine cannot run DeepGEMM's grouped GEMM (``None`` if it can)."""
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
-        return "DeepGEMM's fp32-scale grouped GEMM is the SM90 kernel, this GPU is not SM90"
-    if load() is None:
-        return f"deep_gemm does not load ({_import_error}); docs/ops/fp8_linear.md says how to install it"
-    return None
 
 
 def operand_reason(x: Tensor, gate_up: Tensor, down: Tensor, block_n: int, block_k: int) -> str | None:

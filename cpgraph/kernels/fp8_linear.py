@@ -21,7 +21,7 @@ Two steps, both without host syncs and with static shapes (CUDA-graph safe):
 
    * ``deep_gemm``: DeepGEMM's SM90 ``fp8_gemm_nt`` (same operands and scales
      as ``scaled_mm``, same shape rules), where DeepGEMM is installed
-     (:mod:`.deep_gemm_experts` loads it).
+     (:mod:`.deep_gemm_lib` loads it).
 
 ``CPGRAPH_FP8_LINEAR=auto|scaled_mm|deep_gemm|triton`` picks the GEMM (default
 ``auto``: ``deep_gemm`` where it is installed and applies, else ``scaled_mm``
@@ -47,6 +47,7 @@ import triton.language as tl
 from cpgraph.ops import ledger
 from cpgraph.ops.fp8_linear import check_fp8_block_linear, ceil_div
 
+from . import deep_gemm_lib
 from ._bits import KIND_BF16, KIND_F16, KIND_F32, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
 from ._launch import interpreting
 
@@ -305,11 +306,9 @@ def scaled_mm_gemm(xq, xs, w, ws, out_dtype):
 # ------------------------------------------------------------ DeepGEMM
 def _deep_gemm_reason(x) -> str | None:
     """Why DeepGEMM's dense FP8 GEMM cannot run here (``None`` if it can)."""
-    from . import deep_gemm_experts
-
     if x.device.type != "cuda" or interpreting():
         return "not a CUDA tensor"
-    return deep_gemm_experts.machine_reason(x)
+    return deep_gemm_lib.machine_reason(x)
 
 
 def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int) -> bool:
@@ -331,11 +330,9 @@ def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int) -> bool:
 
 def deep_gemm_linear(xq, xs, w, ws, out_dtype):
     """DeepGEMM's ``fp8_gemm_nt``: ``xs`` ``[M, K/128]`` column-major (its SM90 layout: no transpose copy)."""
-    from . import deep_gemm_experts
-
     out = torch.empty((xq.shape[0], w.shape[0]), dtype=out_dtype, device=xq.device)
     if out.numel():
-        deep_gemm_experts.load().fp8_gemm_nt((xq, xs), (w, ws.contiguous()), out)
+        deep_gemm_lib.load().fp8_gemm_nt((xq, xs), (w, ws.contiguous()), out)
     return out
 
 

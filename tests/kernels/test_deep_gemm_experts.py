@@ -21,6 +21,7 @@ import torch
 
 import cpgraph.ops  # noqa: F401  (registers the ops)
 from cpgraph.kernels import deep_gemm_experts as dge
+from cpgraph.kernels import deep_gemm_lib
 from cpgraph.ops.fp8_linear import dequantize_weight
 from cpgraph.ops.moe import dispatch_plan, moe_experts_fp8_reference
 
@@ -94,7 +95,7 @@ def fake_deep_gemm():
 @pytest.mark.parametrize("M,E,k,skew,num_valid", [(150, 4, 2, 1, None), (37, 6, 3, None, 30)])
 def test_provider_layout_with_a_stand_in_gemm_matches_the_reference(monkeypatch, M, E, k, skew, num_valid):
     """Gather into the padded layout, GEMMs, SwiGLU, down, combine: the op's result (one expert spans 2+ blocks)."""
-    monkeypatch.setattr(dge, "_module", fake_deep_gemm())
+    monkeypatch.setattr(deep_gemm_lib, "_module", fake_deep_gemm())
     dev = kernel_device()
     x, ids, w, gu, d, gus, ds = make_inputs(M=M, H=256, I=128, E=E, k=k, dtype=torch.bfloat16, skew=skew,
                                             device=dev)
@@ -111,7 +112,7 @@ def test_provider_layout_with_a_stand_in_gemm_matches_the_reference(monkeypatch,
 def test_bf16_provider_layout_with_a_stand_in_gemm_matches_the_reference(monkeypatch):
     from cpgraph.ops.moe import moe_experts_reference
 
-    monkeypatch.setattr(dge, "_module", fake_deep_gemm())
+    monkeypatch.setattr(deep_gemm_lib, "_module", fake_deep_gemm())
     dev = kernel_device()
     g = torch.Generator().manual_seed(3)
     M, H, I, E, k = 150, 256, 128, 4, 2
