@@ -267,7 +267,9 @@ class GraphRunner:
         if self._like is None:
             self._like = (meta, ids.device)
         if bucket not in self.stats:
-            self._prepare(bucket, static, ids.device)
+            # As warm() does: the runner's first bucket gets warmup_calls, a later one a single call (the
+            # compile, autotuning and workspaces are behind it; a bucket first used under load waits on it).
+            self._prepare(bucket, static, ids.device, calls=self.warmup_calls if not self._graphs else 1)
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.replay()

@@ -287,8 +287,10 @@ def test_capture_collects_once_per_warm_and_never_on_first_use(fake_capture):
     extra = runner.reachable_buckets(64, PAGE, 2 * PAGE)
     ids2, meta2, _ = _batch(runner, pool, [[2] * 40], 32, "cpu")  # a cached prefix: a bucket not warmed yet
     assert runner.bucket_for(ids2, meta2) not in runner.stats and runner.bucket_for(ids2, meta2) in extra
+    calls.clear()
     runner(ids2, meta2)
     assert fake_capture == []
+    assert calls == [calls[0]] * 2 and runner.stats[runner.bucket_for(ids2, meta2)].calls == 1  # one warm-up call
 
 
 @torch.no_grad()
