@@ -34,15 +34,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
 
 MAX_ULPS = 2  # one flipped rounding of the bf16 silu moves the rounded product by at most this
 MIN_EXACT = 0.99  # the kernel tests' bound on the share of bit-equal values (tests/kernels/test_swiglu.py)
@@ -52,27 +52,6 @@ def eager_swiglu(h: torch.Tensor) -> torch.Tensor:
     """The eager form the kernel replaces: ``F.silu(gate) * up`` of ``h [R, 2I]``."""
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def _time_ms(fn, repeat: int, cuda: bool) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    if cuda:
-        torch.cuda.synchronize()
-    for _ in range(repeat):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def _ordered(t: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ docs/ops/fp8_linear.md.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -126,25 +127,35 @@ def _inverse(pos: Tensor, values: Tensor, size: int) -> Tensor:
     return out[:size]
 
 
+class _Padded(NamedTuple):
+    """One call's dispatch in DeepGEMM's layout: ``token [P]`` (-1 in the gaps), ``psum [E]``, slots -> padded rows."""
+
+    token: Tensor
+    psum: Tensor
+    slot_rows: Tensor
+
+
+def _padded_dispatch(topk_ids: Tensor, num_valid, experts: int) -> _Padded:
+    m, k = topk_ids.shape
+    plan = dispatch_plan(topk_ids, num_valid, experts)
+    pos, psum, p = padded_layout(plan.group_ends, m * k)
+    slot = plan.slot_pos
+    return _Padded(_inverse(pos, plan.order // k, p), psum, torch.where(slot >= 0, pos[slot.clamp(min=0)], slot))
+
+
 def moe_experts_fp8(x, topk_ids, topk_w, gate_up, down, num_valid, gate_up_scale, down_scale, block_n: int,
                     block_k: int, act_scale_pow2: bool) -> Tensor:
     """FP8 routed experts: quantise, pad, DeepGEMM gate/up, SwiGLU + quant, DeepGEMM down, combine."""
     dg = load()
-    m, k = topk_ids.shape
-    c = m * k
-    plan = dispatch_plan(topk_ids, num_valid, gate_up.shape[0])
-    pos, psum, p = padded_layout(plan.group_ends, c)
-    token = _inverse(pos, plan.order // k, p)  # padded row -> token, -1 in the gaps
+    d = _padded_dispatch(topk_ids, num_valid, gate_up.shape[0])
     xq, xs = quantize_activations(x, block_k, act_scale_pow2)
-    a, a_s = take_rows(xq, token), take_rows(xs, token)
-    h = torch.empty((p, gate_up.shape[1]), dtype=torch.bfloat16, device=x.device)
-    dg.m_grouped_fp8_gemm_nt_contiguous((a, a_s), (gate_up, gate_up_scale), h, psum, use_psum_layout=True)
-    aq, aq_s = swiglu_quantize(h, psum, block_k, act_scale_pow2)
-    y = torch.empty((p, down.shape[1]), dtype=torch.bfloat16, device=x.device)
-    dg.m_grouped_fp8_gemm_nt_contiguous((aq, aq_s), (down, down_scale), y, psum, use_psum_layout=True)
-    slot = plan.slot_pos
-    padded_slot = torch.where(slot >= 0, pos[slot.clamp(min=0)], slot)
-    return combine(y, padded_slot, topk_w, x.dtype)
+    a, a_s = take_rows(xq, d.token), take_rows(xs, d.token)
+    h = torch.empty((d.token.shape[0], gate_up.shape[1]), dtype=torch.bfloat16, device=x.device)
+    dg.m_grouped_fp8_gemm_nt_contiguous((a, a_s), (gate_up, gate_up_scale), h, d.psum, use_psum_layout=True)
+    aq, aq_s = swiglu_quantize(h, d.psum, block_k, act_scale_pow2)
+    y = torch.empty((d.token.shape[0], down.shape[1]), dtype=torch.bfloat16, device=x.device)
+    dg.m_grouped_fp8_gemm_nt_contiguous((aq, aq_s), (down, down_scale), y, d.psum, use_psum_layout=True)
+    return combine(y, d.slot_rows, topk_w, x.dtype)
 
 
 def moe_experts_bf16(x, topk_ids, topk_w, gate_up, down, num_valid) -> Tensor:
@@ -155,17 +166,14 @@ def moe_experts_bf16(x, topk_ids, topk_w, gate_up, down, num_valid) -> Tensor:
     from .swiglu import swiglu
 
     dg = load()
-    m, k = topk_ids.shape
-    plan = dispatch_plan(topk_ids, num_valid, gate_up.shape[0])
-    pos, psum, p = padded_layout(plan.group_ends, m * k)
-    xs = take_rows(x, _inverse(pos, plan.order // k, p))
-    h = torch.empty((p, gate_up.shape[1]), dtype=torch.bfloat16, device=x.device)
-    dg.m_grouped_bf16_gemm_nt_contiguous(xs, gate_up, h, psum, use_psum_layout=True)
-    act = swiglu(h, psum)
-    y = torch.empty((p, down.shape[1]), dtype=torch.bfloat16, device=x.device)
-    dg.m_grouped_bf16_gemm_nt_contiguous(act, down, y, psum, use_psum_layout=True)
-    slot = plan.slot_pos
-    return combine(y, torch.where(slot >= 0, pos[slot.clamp(min=0)], slot), topk_w, x.dtype)
+    d = _padded_dispatch(topk_ids, num_valid, gate_up.shape[0])
+    xs = take_rows(x, d.token)
+    h = torch.empty((d.token.shape[0], gate_up.shape[1]), dtype=torch.bfloat16, device=x.device)
+    dg.m_grouped_bf16_gemm_nt_contiguous(xs, gate_up, h, d.psum, use_psum_layout=True)
+    act = swiglu(h, d.psum)
+    y = torch.empty((d.token.shape[0], down.shape[1]), dtype=torch.bfloat16, device=x.device)
+    dg.m_grouped_bf16_gemm_nt_contiguous(act, down, y, d.psum, use_psum_layout=True)
+    return combine(y, d.slot_rows, topk_w, x.dtype)
 
 
 def choose_bf16(x, gate_up) -> bool:

@@ -28,7 +28,7 @@ from cpgraph.ops.moe import dispatch_plan, moe_experts_fp8_reference
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_env import needs_gpu, needs_kernels, kernel_device  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
-from test_moe_fp8 import make_inputs  # noqa: E402
+from test_moe_fp8 import make_inputs, replay_with_new_routing  # noqa: E402
 
 
 def rel_l2(got, want):
@@ -185,39 +185,25 @@ def test_gpu_deep_gemm_matches_reference_and_triton(monkeypatch, num_valid):
 def test_gpu_deep_gemm_is_chosen_counted_replayed_and_sync_free(monkeypatch):
     from cpgraph.ops import ledger
 
-    cpgraph.ops.bind_providers("cuda")
-    ops = torch.ops.cpgraph
-    x, ids, w, gu, d, gus, ds = make_inputs(M=512, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda")
-    nv = torch.tensor([400], device="cuda")
+    def chosen_and_sync_free(call):
+        names = {row["implementation"] for row in ledger.calls("cuda").get("moe_experts", [])}
+        assert names == {"deep_gemm"}
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
     ledger.reset()
-    ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)  # JIT outside the capture
-    torch.cuda.synchronize()
-    names = {row["implementation"] for row in ledger.calls("cuda").get("moe_experts", [])}
-    assert names == {"deep_gemm"}
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)
-    x2, ids2, w2, *_ = make_inputs(M=512, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, skew=5, seed=9, device="cuda")
-    x.copy_(x2)
-    ids.copy_(ids2)
-    w.copy_(w2)
-    nv.fill_(256)
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)
+    out, eager = replay_with_new_routing(chosen_and_sync_free)
     assert torch.equal(out, eager)
     assert torch.equal(out[256:], torch.zeros_like(out[256:]))
     monkeypatch.setenv(dge.BACKEND_ENV, "triton")
     ledger.reset()
-    ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)
+    x, ids, w, gu, d, gus, ds = make_inputs(M=64, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda")
+    torch.ops.cpgraph.moe_experts(x, ids, w, gu, d, None, gus, ds, 128, 128, True)
     names = {row["implementation"] for row in ledger.calls("cuda").get("moe_experts", [])}
     assert names == {"triton"}
-
 
 @needs_gpu
 @needs_deep_gemm

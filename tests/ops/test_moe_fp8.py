@@ -278,13 +278,18 @@ def test_gpu_fp8_experts_match_reference_and_bf16(num_valid):
         assert torch.equal(got[num_valid:], torch.zeros_like(got[num_valid:]))
 
 
-@needs_gpu
-def test_gpu_fp8_experts_replay_in_cuda_graph_with_new_routing():
+def replay_with_new_routing(before_capture=None):
+    """Capture FP8 experts on one routing, replay on another: ``(replayed, eager)`` outputs for the second.
+
+    ``before_capture()`` runs after the first (compiling) call, outside the capture.
+    """
     cpgraph.ops.bind_providers("cuda")
     x, ids, w, gu, d, gus, ds = make_inputs(M=512, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda")
     nv = torch.tensor([400], device="cuda")
     ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)  # compile outside the capture
     torch.cuda.synchronize()
+    if before_capture is not None:
+        before_capture(lambda: ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)
@@ -295,7 +300,12 @@ def test_gpu_fp8_experts_replay_in_cuda_graph_with_new_routing():
     nv.fill_(256)
     graph.replay()
     torch.cuda.synchronize()
-    eager = ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)
+    return out, ops.moe_experts(x, ids, w, gu, d, nv, gus, ds, 128, 128, True)
+
+
+@needs_gpu
+def test_gpu_fp8_experts_replay_in_cuda_graph_with_new_routing():
+    out, eager = replay_with_new_routing()
     assert torch.equal(out, eager)  # same kernels, same inputs: bit-identical
     assert torch.equal(out[256:], torch.zeros_like(out[256:]))
 
