@@ -16,7 +16,12 @@ read limit: the live scores' bytes at the same run's measured HBM read rate (``x
 large buffer).  A correctness check compares a few hundred rows with the torch reference
 (``topk_ragged_reference``) for every kind.  ``--json`` writes every figure.
 
-    python benchmarks/topk_select_bench.py [--tokens 32768] [--sweep] [--json out.json]
+    python benchmarks/topk_select_bench.py [--tokens 32768] [--sweep] [--stages] [--json out.json]
+        [--write-tuning tuning.json]
+
+``--stages`` times the default and the fastest variant cut after each stage (sample and bracket,
+window pass, refinement); ``--write-tuning`` writes the fastest exact variant as a
+``CPGRAPH_INDEXER_TUNING`` file, so a later run (``production_shape.py``) can use it.
 """
 
 from __future__ import annotations
@@ -31,9 +36,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOPK = 2048
-# (block, warps, sample, maxnreg) variants of --sweep; the first is the default tuning.
-SWEEP = [(512, 4, 512, 0), (512, 4, 512, 64), (512, 8, 512, 0), (512, 4, 1024, 0), (256, 4, 512, 0),
-         (512, 4, 256, 0), (1024, 4, 512, 0), (256, 8, 512, 0)]
+# (block, warps, sample, maxnreg, stages, compact, prefetch, float_pass) variants of --sweep; the first is the
+# default tuning.  Fewer warps a program: no cross-warp barriers in the block scans and more resident row
+# programs.  ``prefetch``: the window pass loads the next block before it scans this one.  ``float_pass``: the
+# window pass compares fp32 scores in 32 x warps-key steps (kernels/topk_select.py, ``_float_pass``).
+SWEEP = [(512, 4, 512, 0, 0, False, False, False), (128, 1, 512, 0, 0, True, True, False),
+         (128, 1, 512, 0, 0, True, False, True), (128, 1, 512, 0, 0, False, False, True),
+         (256, 1, 512, 0, 0, True, False, True), (64, 1, 512, 0, 0, True, False, True),
+         (128, 1, 256, 0, 0, True, False, True), (128, 2, 512, 0, 0, True, False, True),
+         (128, 1, 512, 48, 0, True, False, True), (512, 4, 512, 0, 0, True, False, True)]
+# Stage cuts (--stages): the kernel ends each row after the sample's bracket (1), the window pass (2)
+# or the refinement (3); differences of these times place the time inside the kernel.
+STAGES = {1: "sample + bracket", 2: "+ window pass", 3: "+ refinement"}
 
 
 def time_ms(fn, reps=5):
@@ -56,6 +70,14 @@ def read_rate_gbs():
     ms = time_ms(lambda: x.amax())
     del x
     return 4 * (1 << 30) / ms / 1e6
+
+
+def kernel_resources(kernel):
+    """Registers, spills and shared bytes of a launched Triton kernel (they bound the resident programs per SM)."""
+    if kernel is None:
+        return {}
+    return {"registers": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+            "shared": getattr(getattr(kernel, "metadata", None), "shared", None)}
 
 
 def make_scores(kind, S, g):
@@ -100,7 +122,11 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true",
                     help="time every tuning variant on the first kind (the others: the default and the best)")
     ap.add_argument("--chunk-rows", type=int, default=4096, help="rows per launch of the chunked comparison")
+    ap.add_argument("--stages", action="store_true",
+                    help="also time the stage cuts of the default and the last variant (where the time goes)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--write-tuning", default="",
+                    help="write the first kind's fastest exact variant as a CPGRAPH_INDEXER_TUNING file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("topk_select_bench: needs a CUDA device", file=sys.stderr)
@@ -126,21 +152,38 @@ def main(argv=None):
             first = next(iter(results["kinds"].values()))
             if first.get("best") and tuple(first["best"]["variant"]) != SWEEP[0]:
                 variants = [SWEEP[0], tuple(first["best"]["variant"])]
-        for v in variants:
-            block, warps, sample, maxnreg = v
+        def launch(v, stop=0):
+            block, warps, sample, maxnreg, stages, compact, prefetch, float_pass = v
+            return ki.select_rows(buf, ks, ke, out, 0, S, TOPK, scratch=scratch, block=block, num_warps=warps,
+                                  sample=sample, maxnreg=maxnreg, num_stages=stages or None, compact=compact,
+                                  prefetch=prefetch, float_pass=float_pass, stop_after=stop)
 
-            def fn():
-                ki.select_rows(buf, ks, ke, out, 0, S, TOPK, scratch=scratch, block=block, num_warps=warps,
-                               sample=sample, maxnreg=maxnreg)
+        for v in variants:
+            launched = {}
             try:
-                ms = time_ms(fn)
+                ms = time_ms(lambda: launched.update(k=launch(v)))
             except Exception as exc:  # a variant that does not compile is reported, not fatal
                 print(f"  {kind} {v}: failed: {str(exc)[:300]}", flush=True)
                 continue
             bad = check(buf, ks, ke, out, S)
-            row["variants"].append({"variant": list(v), "ms": ms, "wrong_rows": bad})
-            print(f"  {kind} select {v}: {ms:.3f} ms ({limit_ms / ms:.2f} of the read limit), wrong rows {bad}",
+            res = {"variant": list(v), "ms": ms, "wrong_rows": bad, **kernel_resources(launched.get("k"))}
+            row["variants"].append(res)
+            print(f"  {kind} select {v}: {ms:.3f} ms ({limit_ms / ms:.2f} of the read limit), wrong rows {bad}; "
+                  f"{res.get('registers')} registers, {res.get('spills')} spills, {res.get('shared')} B shared",
                   flush=True)
+        fastest = min(row["variants"], key=lambda r: r["ms"]) if row["variants"] else None
+        if args.stages and fastest:
+            for res in {id(r): r for r in (row["variants"][0], fastest)}.values():
+                v = tuple(res["variant"])
+                cuts = {n: time_ms(lambda n=n: launch(v, n)) for n in STAGES}
+                res["stage_ms"] = cuts
+                prev, parts = 0.0, []
+                for n, label in STAGES.items():
+                    parts.append(f"{label} {cuts[n]:.3f} (+{cuts[n] - prev:.3f})")
+                    prev = cuts[n]
+                parts.append(f"+ collection {res['ms']:.3f} (+{res['ms'] - prev:.3f})")
+                print(f"    stages {v}: " + "; ".join(parts), flush=True)
+            launch(tuple(row["variants"][0]["variant"]))  # the stage cuts left wrong ids behind
         # Launch order and chunking, default variant: the forward selects ``--chunk-rows`` rows per
         # launch (its score budget); each launch can end on a wave of its longest rows.
         from cpgraph.kernels import indexer_tuning
@@ -171,6 +214,15 @@ def main(argv=None):
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.write_tuning and results["kinds"]:
+        first = next(iter(results["kinds"].values()))
+        exact = [r for r in first["variants"] if r["wrong_rows"] == 0]
+        if exact:
+            v = min(exact, key=lambda r: r["ms"])["variant"]
+            names = ("SELECT_BLOCK", "SELECT_WARPS", "SELECT_SAMPLE", "SELECT_MAXNREG", "SELECT_STAGES",
+                     "SELECT_COMPACT", "SELECT_PREFETCH", "SELECT_FLOAT_PASS")
+            Path(args.write_tuning).write_text(json.dumps(dict(zip(names, v))))
+            print(f"tuning written to {args.write_tuning}: {dict(zip(names, v))}", flush=True)
     return 0
 
 

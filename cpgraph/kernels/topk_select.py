@@ -14,7 +14,8 @@ window to two and makes everything else work on a small candidate set:
    ``tlo`` -- the keys above ``thi`` and the candidates in ``[tlo, thi]``, together about
    ``topk`` plus a few percent of the window -- to a list in the scratch row (rank bits and
    position, in position order).  If the counts show that ``T`` is not in the bracket, the
-   bracket becomes everything (a slow but exact path).
+   bracket becomes everything (a slow but exact path).  ``FLOAT_PASS`` (opt-in) makes the same
+   pass with fp32 compares against the bounds and one key a thread (see :func:`_float_pass`).
 3. **Refine over the list's candidates** with 32-bin histograms (5 bits of ``u - tlo`` a pass, ~12
    instructions a key, where a 256-bin ``tl.histogram`` costs ~90) until ``T`` and the number of
    keys equal to ``T`` still to take are exact.  If the list did not fit the scratch, the
@@ -62,6 +63,90 @@ def _rank_bits(x):
 
 
 @triton.jit
+def _rank_float(r):
+    """The fp32 whose rank bits are ``r`` (scalar; the inverse of :func:`_rank_bits` on canonical values)."""
+    b = tl.where((r >> 31) != 0, r & 0x7FFFFFFF, r ^ 0xFFFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ranks_in_place(crow, count, BLOCK: tl.constexpr):
+    """List entries ``[0, count)`` of ``crow``: raw fp32 bits -> rank bits (the float pass stores raw scores)."""
+    i0 = 0
+    while i0 < count:
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < count
+        x = tl.load(crow + i, mask=m, other=0).to(tl.float32, bitcast=True)
+        tl.store(crow + i, _rank_bits(x).to(tl.int32, bitcast=True), mask=m)
+        i0 += BLOCK
+
+
+@triton.jit
+def _float_step(x, pos, lo, hi, crow, prow, tlo_f, thi_f, has_hi, n_above, total, cap):
+    """One step of :func:`_float_pass` over keys ``pos >= lo`` (values ``x``)."""
+    valid = pos < hi
+    above = (valid & ~(x <= thi_f) & has_hi).to(tl.int32)
+    keep = (valid & ~(x < tlo_f)).to(tl.int32)
+    run = tl.cumsum(keep, axis=0) - keep  # exclusive
+    slot = total + run
+    ok = (keep != 0) & (slot < cap)
+    tl.store(crow + slot, x.to(tl.int32, bitcast=True), mask=ok)
+    tl.store(prow + slot, pos, mask=ok)
+    both = tl.sum(above | (keep << 16), axis=0)
+    return n_above + (both & 0xFFFF), total + (both >> 16)
+
+
+@triton.jit
+def _float_pass(srow, crow, prow, lo, hi, tlo, thi, cap, STEP: tl.constexpr):
+    """The window pass on fp32 compares: count keys above ``thi``, list every key ranked ``>= tlo``.
+
+    Equal to :func:`_bracket_step` over the window, with two compares a key instead of the rank
+    bits: for a canonical non-NaN bound ``rank(x) > thi`` is ``not (x <= f(thi))`` (unordered, so a
+    NaN is above, as the tie rule ranks it) and ``rank(x) >= tlo`` is ``not (x < f(tlo))`` (``-0.0``
+    and ``0.0`` compare equal, as they rank equal).  Bounds at or past the NaN rank are the special
+    cases: ``thi`` there has nothing above it, and ``tlo`` is lowered to ``+inf``'s rank first (any
+    lower bound that stays below the k-th key is a valid bracket).  ``tlo == 0`` maps to a NaN, which
+    keeps every key.  The list gets raw fp32 bits (rank bits only after :func:`_ranks_in_place`).
+
+    ``STEP`` is one key a thread (32 x warps): every tensor of the pass then has the one layout a
+    scattered store allows, so no step moves values between layouts through shared memory, and the
+    scan is one warp scan.  Four steps a round, each round's loads issued a round ahead, keep enough
+    bytes in flight for the memory system.
+    """
+    has_hi = thi < 0xFFC00000
+    thi_f = _rank_float(thi)
+    tlo_f = _rank_float(tlo)
+    ar = tl.arange(0, STEP)
+    n_above = tl.full((), 0, tl.int32)
+    total = tl.full((), 0, tl.int32)
+    i0 = lo
+    p0 = i0 + ar
+    x0 = tl.load(srow + p0, mask=p0 < hi, other=0.0)
+    x1 = tl.load(srow + p0 + STEP, mask=p0 + STEP < hi, other=0.0)
+    x2 = tl.load(srow + p0 + 2 * STEP, mask=p0 + 2 * STEP < hi, other=0.0)
+    x3 = tl.load(srow + p0 + 3 * STEP, mask=p0 + 3 * STEP < hi, other=0.0)
+    while i0 < hi:
+        p0 = i0 + ar
+        q0 = p0 + 4 * STEP
+        y0 = tl.load(srow + q0, mask=q0 < hi, other=0.0)
+        y1 = tl.load(srow + q0 + STEP, mask=q0 + STEP < hi, other=0.0)
+        y2 = tl.load(srow + q0 + 2 * STEP, mask=q0 + 2 * STEP < hi, other=0.0)
+        y3 = tl.load(srow + q0 + 3 * STEP, mask=q0 + 3 * STEP < hi, other=0.0)
+        n_above, total = _float_step(x0, p0, lo, hi, crow, prow, tlo_f, thi_f, has_hi, n_above, total, cap)
+        n_above, total = _float_step(x1, p0 + STEP, lo, hi, crow, prow, tlo_f, thi_f, has_hi, n_above, total, cap)
+        n_above, total = _float_step(x2, p0 + 2 * STEP, lo, hi, crow, prow, tlo_f, thi_f, has_hi, n_above, total,
+                                     cap)
+        n_above, total = _float_step(x3, p0 + 3 * STEP, lo, hi, crow, prow, tlo_f, thi_f, has_hi, n_above, total,
+                                     cap)
+        x0 = y0
+        x1 = y1
+        x2 = y2
+        x3 = y3
+        i0 += 4 * STEP
+    return n_above, total
+
+
+@triton.jit
 def _window(ks, ke, row, n_keys):
     """Row ``row``'s window clamped into ``[0, n_keys]`` (bad ids can never address memory)."""
     lo = tl.load(ks + row).to(tl.int32)
@@ -106,7 +191,14 @@ def _bracket_step(srow, crow, prow, i0, hi, tlo, thi, n_above, total, cap, BLOCK
     """
     pos = i0 + tl.arange(0, BLOCK)
     valid = pos < hi
-    u = _rank_bits(tl.load(srow + pos, mask=valid, other=0.0))
+    x = tl.load(srow + pos, mask=valid, other=0.0)
+    return _bracket_block(x, crow, prow, pos, valid, tlo, thi, n_above, total, cap)
+
+
+@triton.jit
+def _bracket_block(x, crow, prow, pos, valid, tlo, thi, n_above, total, cap):
+    """:func:`_bracket_step` on a block already loaded (``x`` at positions ``pos``)."""
+    u = _rank_bits(x)
     above = (valid & (u > thi)).to(tl.int32)
     keep = (valid & (u >= tlo)).to(tl.int32)
     run = tl.cumsum(keep, axis=0) - keep  # exclusive
@@ -119,11 +211,12 @@ def _bracket_step(srow, crow, prow, i0, hi, tlo, thi, n_above, total, cap, BLOCK
 
 
 @triton.jit
-def _digit_hist(srow, crow, lo, hi, count, direct, tlo, thi, prefix, shift, low, BLOCK: tl.constexpr):
+def _digit_hist(srow, crow, lo, hi, base, count, direct, tlo, thi, prefix, shift, low, dst, BLOCK: tl.constexpr):
     """32-bin histogram of bits ``[low, shift)`` of ``u - tlo`` over candidates whose bits from ``shift`` equal ``prefix``.
 
-    Candidates are the list's ``count`` entries in ``[tlo, thi]`` (the list also holds the keys
-    above ``thi``), or with ``direct`` the window's keys in ``[tlo, thi]``.
+    Candidates are the ``count`` entries of ``crow[base:]`` in ``[tlo, thi]`` (the list also holds the
+    keys above ``thi``), or with ``direct`` the window's keys in ``[tlo, thi]``.  With ``dst >= 0`` the
+    counted entries are also copied, in order, to ``crow[dst:]``: the next passes read only those.
     ``(x >> (shift - 1)) >> 1`` keeps every shift below 32.
     """
     hist = tl.zeros((32,), tl.int32)
@@ -141,23 +234,32 @@ def _digit_hist(srow, crow, lo, hi, count, direct, tlo, thi, prefix, shift, low,
             i0 += BLOCK
     else:
         i0 = 0
+        written = tl.full((), 0, tl.int32)
         while i0 < count:
             i = i0 + tl.arange(0, BLOCK)
             valid = i < count
-            u = tl.load(crow + i, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            u = tl.load(crow + base + i, mask=valid, other=0).to(tl.uint32, bitcast=True)
             rel = u - tlo
             m = valid & (u <= thi) & (((rel >> (shift - 1).to(tl.uint32)) >> 1) == prefix)
             hist += tl.histogram(((rel >> low.to(tl.uint32)) & mask_bits).to(tl.int32), 32, mask=m)
+            if dst >= 0:
+                mi = m.to(tl.int32)
+                run = tl.cumsum(mi, axis=0) - mi  # exclusive
+                tl.store(crow + dst + written + run, u.to(tl.int32, bitcast=True), mask=m)
+                written += tl.sum(mi, axis=0)
             i0 += BLOCK
     return hist
 
 
 @triton.jit
-def _refine(srow, crow, lo, hi, count, direct, tlo, thi, need, BLOCK: tl.constexpr):
+def _refine(srow, crow, lo, hi, count, direct, tlo, thi, need, cap, COMPACT: tl.constexpr, BLOCK: tl.constexpr):
     """The exact k-th rank bits ``T`` in ``[tlo, thi]`` and how many keys equal to ``T`` to take.
 
     ``need`` is the k-th key's rank among the candidates (1 = the largest).  Each pass fixes up to
-    5 more bits of ``T - tlo``, from the top bit of ``thi - tlo`` down.
+    5 more bits of ``T - tlo``, from the top bit of ``thi - tlo`` down.  ``COMPACT``: the second
+    pass also copies the candidates it counts (those of the first pass's digit, ~1/32 of them) to
+    the free tail of the list's rank-bit column, when they fit there, and the later passes read only
+    that copy instead of the whole list again.
     """
     span = thi - tlo
     bits = tl.full((), 0, tl.int32)
@@ -167,14 +269,28 @@ def _refine(srow, crow, lo, hi, count, direct, tlo, thi, need, BLOCK: tl.constex
     bins = tl.arange(0, 32)
     prefix = tl.full((), 0, tl.uint32)
     shift = bits
+    base = tl.full((), 0, tl.int32)
+    cnt = count
+    bucket = count
+    n_pass = tl.full((), 0, tl.int32)
     while shift > 0:
         low = tl.maximum(shift - 5, 0)
-        hist = _digit_hist(srow, crow, lo, hi, count, direct, tlo, thi, prefix, shift, low, BLOCK)
+        dst = tl.full((), -1, tl.int32)
+        if COMPACT:
+            dst = tl.where((n_pass == 1) & (~direct) & (bucket <= cap - count), count, dst)
+        hist = _digit_hist(srow, crow, lo, hi, base, cnt, direct, tlo, thi, prefix, shift, low, dst, BLOCK)
+        if COMPACT:
+            tl.debug_barrier()  # the copy was written by other threads of this program
+            moved = dst >= 0
+            base = tl.where(moved, dst, base)
+            cnt = tl.where(moved, tl.sum(hist, axis=0), cnt)
         at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
         digit = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
+        bucket = tl.sum(tl.where(bins == digit, hist, 0), axis=0)
         need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
         prefix = (prefix << (shift - low).to(tl.uint32)) | digit.to(tl.uint32)
         shift = low
+        n_pass += 1
     return tlo + prefix, need
 
 
@@ -219,14 +335,19 @@ def _collect_step(srow, crow, prow, orow, kv_slots, i0, hi, threshold, need, tak
 def _select_kernel(
     scores, ks, ke, kv_slots, out, cand,
     row0, m_rows, n_keys, score_stride, cand_stride, cand_cap, topk,
-    KP: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, PAGED: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    LAST_ROW_FIRST: tl.constexpr = False,
+    BLOCK: tl.constexpr, SAMPLE: tl.constexpr, PAGED: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    LAST_ROW_FIRST: tl.constexpr = False, COMPACT: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    FLOAT_PASS: tl.constexpr = False, PASS_STEP: tl.constexpr = 32, STOP_AFTER: tl.constexpr = 0,
 ):  # fmt: skip
     """Row ``row0 + local`` of ``out`` <- its top-k under the tie rule, in position order (scores row = local).
 
     ``LAST_ROW_FIRST``: program ``p`` takes row ``m_rows - 1 - p``.  Causal windows grow with the
     row, and the GPU starts programs in order, so the longest rows start first and the launch does
     not end on a wave of its longest rows (longest-processing-time-first).
+
+    ``STOP_AFTER`` (benchmarks only: the output is then wrong) ends each row after stage 1 (the
+    sample's bracket), 2 (the window pass) or 3 (the refinement), so timing differences place the
+    time inside the kernel where no hardware counters can.
     """
     local = tl.program_id(0)
     if LAST_ROW_FIRST:
@@ -240,9 +361,11 @@ def _select_kernel(
     prow = crow + cand_cap
     orow = out + row.to(tl.int64) * topk
     if n <= topk:  # the whole window, in order, then -1
+        # In BLOCK steps, not one topk-wide tensor: the widest tensor sets every path's registers,
+        # and registers bound how many row programs an SM holds.
         j0 = 0
         while j0 < topk:
-            j = j0 + tl.arange(0, KP)
+            j = j0 + tl.arange(0, BLOCK)
             live = j < n
             pos = lo + j
             if PAGED:
@@ -250,12 +373,33 @@ def _select_kernel(
             else:
                 val = pos
             tl.store(orow + j, tl.where(live, val, -1), mask=j < topk)
-            j0 += KP
+            j0 += BLOCK
     else:
         tlo, thi = _sample_bracket(srow, lo, n, topk, SAMPLE)
+        if STOP_AFTER == 1:
+            tl.store(orow, (tlo ^ thi).to(tl.int32, bitcast=True))
+            return
         n_above = tl.full((), 0, tl.int32)
         total = tl.full((), 0, tl.int32)
-        if LOOP_WHILE:
+        if FLOAT_PASS:
+            tlo = tl.where(tlo >= 0xFFC00000, tl.full((), 0xFF800000, tl.uint32), tlo)  # NaN rank -> +inf's
+            n_above, total = _float_pass(srow, crow, prow, lo, hi, tlo, thi, cand_cap, PASS_STEP)
+            tl.debug_barrier()  # list entries written by other threads of this program
+            _ranks_in_place(crow, tl.minimum(total, cand_cap), BLOCK)
+        elif PREFETCH:
+            # The next block's load is issued before this block's scan, so its latency overlaps the
+            # scan's dependent chain (each block's list slots wait on the previous block's count).
+            ar = tl.arange(0, BLOCK)
+            x = tl.load(srow + lo + ar, mask=lo + ar < hi, other=0.0)
+            i0 = lo
+            while i0 < hi:
+                pos = i0 + ar
+                nxt = pos + BLOCK
+                x_next = tl.load(srow + nxt, mask=nxt < hi, other=0.0)
+                n_above, total = _bracket_block(x, crow, prow, pos, pos < hi, tlo, thi, n_above, total, cand_cap)
+                x = x_next
+                i0 += BLOCK
+        elif LOOP_WHILE:
             i0 = lo
             while i0 < hi:
                 n_above, total = _bracket_step(srow, crow, prow, i0, hi, tlo, thi, n_above, total, cand_cap, BLOCK)
@@ -263,6 +407,9 @@ def _select_kernel(
         else:
             for i0 in range(lo, hi, BLOCK):
                 n_above, total = _bracket_step(srow, crow, prow, i0, hi, tlo, thi, n_above, total, cand_cap, BLOCK)
+        if STOP_AFTER == 2:
+            tl.store(orow, n_above + total)
+            return
         hit = (n_above < topk) & (total >= topk)
         # A missed bracket (a sample far from the row's distribution) falls back to everything: exact, slower.
         tlo = tl.where(hit, tlo, tl.full((), 0, tl.uint32))
@@ -271,7 +418,11 @@ def _select_kernel(
         # A list that did not fit the scratch also reads the window: exact, slower.
         direct = (~hit) | (total > cand_cap)
         tl.debug_barrier()  # list entries written by other threads of this program
-        threshold, need = _refine(srow, crow, lo, hi, total, direct, tlo, thi, topk - n_above, BLOCK)
+        threshold, need = _refine(srow, crow, lo, hi, total, direct, tlo, thi, topk - n_above, cand_cap, COMPACT,
+                                  BLOCK)
+        if STOP_AFTER == 3:
+            tl.store(orow, threshold.to(tl.int32, bitcast=True) + need)
+            return
         taken = tl.full((), 0, tl.int32)
         ties = tl.full((), 0, tl.int32)
         if direct:
@@ -302,23 +453,24 @@ def scratch_columns(n_keys: int, topk: int) -> int:
 
 
 def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots=None, *, scratch=None,
-                block=None, num_warps=None, sample=None, maxnreg=None) -> None:
+                block=None, num_warps=None, sample=None, maxnreg=None, num_stages=None, compact=None,
+                prefetch=None, float_pass=None, stop_after=0):
     """Top-k of rows ``[row0, row0 + m_rows)`` (scores in ``scores[0:m_rows]``) into ``out`` (int32 ``[M, topk]``).
 
     RAGGED ids, or PAGED slots ``kv_slots[t]`` when ``kv_slots`` is given, in position order.
     ``scratch`` (int32 ``[>= m_rows, C]``, any ``C >= 1``) holds a row's list (``C // 2`` entries of
     rank bits, then their positions); allocated here (``C =`` :func:`scratch_columns`) when not given.  The keyword arguments after it are tuning
-    knobs for benchmarks; none changes the result.
+    knobs for benchmarks; none changes the result.  Returns the launched Triton kernel (benchmarks
+    read its registers and shared memory, which bound the resident row programs per SM).
     """
     if m_rows <= 0:
-        return
+        return None
     N = scores.shape[1]
     if scratch is None:
         scratch = torch.empty((m_rows, scratch_columns(N, topk)), dtype=torch.int32, device=scores.device)
     if scratch.dtype != torch.int32 or scratch.dim() != 2 or scratch.shape[0] < m_rows or scratch.stride(1) != 1:
         raise ValueError(f"cpgraph.kernels.topk_select: scratch must be int32 [>= {m_rows}, C] with unit column "
                          f"stride, got {scratch.dtype} {tuple(scratch.shape)}")
-    kp = max(16, min(triton.next_power_of_2(topk), 4096))
     block = block or ((1 << 12) if interpreting() else _TUNE["SELECT_BLOCK"])
     if block > (1 << 15) or block & (block - 1):
         raise ValueError(f"cpgraph.kernels.topk_select: block must be a power of two <= 32768 (packed 16-bit "
@@ -327,13 +479,19 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
     paged = kv_slots is not None
     ks, ke = ks.contiguous(), ke.contiguous()
     cap = _TUNE["SELECT_MAXNREG"] if maxnreg is None else maxnreg
-    _select_kernel[(m_rows,)](
+    stages = num_stages or _TUNE["SELECT_STAGES"]
+    warps = num_warps or (4 if interpreting() else _TUNE["SELECT_WARPS"])
+    return _select_kernel[(m_rows,)](
         scores, ks, ke, kv_slots if paged else ks, out, scratch, row0, m_rows, N, scores.stride(0), scratch.stride(0),
         scratch.shape[1] // 2, topk,
-        KP=kp, BLOCK=block, SAMPLE=sample, PAGED=paged, LOOP_WHILE=interpreting(),
+        BLOCK=block, SAMPLE=sample, PAGED=paged, LOOP_WHILE=interpreting(),
         LAST_ROW_FIRST=_TUNE["SELECT_LAST_ROW_FIRST"],
-        num_warps=num_warps or (4 if interpreting() else _TUNE["SELECT_WARPS"]),
+        COMPACT=_TUNE["SELECT_COMPACT"] if compact is None else bool(compact),
+        PREFETCH=_TUNE["SELECT_PREFETCH"] if prefetch is None else bool(prefetch),
+        FLOAT_PASS=_TUNE["SELECT_FLOAT_PASS"] if float_pass is None else bool(float_pass), PASS_STEP=32 * warps,
+        STOP_AFTER=int(stop_after), num_warps=warps,
         **({"maxnreg": cap} if cap and not interpreting() else {}),
+        **({"num_stages": stages} if stages and not interpreting() else {}),
     )  # fmt: skip
 
 

@@ -76,8 +76,11 @@ def windows(g, M, N, empty_every=4):
     return ks.to(DEV), ke.to(DEV)
 
 
-def tied_scores(g, M, N):
-    pool = torch.tensor([0.0, -0.0, 0.0, 0.0, 1.0, -1.0, 0.25, 3.0, INF, -INF, NAN])
+def tied_scores(g, M, N, subnormals=False):
+    pool = [0.0, -0.0, 0.0, 0.0, 1.0, -1.0, 0.25, 3.0, INF, -INF, NAN]
+    if subnormals:  # the smallest subnormals of each sign, and a larger one: a flushing compare would tie them with 0
+        pool += [1e-45, -1e-45, 3e-39, -3e-39]
+    pool = torch.tensor(pool)
     return pool[torch.randint(0, len(pool), (M, N), generator=g)].to(DEV)
 
 
@@ -94,16 +97,18 @@ def integer_inputs(seed, M, H, D, N, dtype=torch.bfloat16):
 
 # ---------------------------------------------------------------- selection
 @pytest.mark.parametrize("topk", [1, 5, 16, 40])
-@pytest.mark.parametrize("sample", [16, 64])
-def test_select_equals_reference_on_ties(topk, sample):
+@pytest.mark.parametrize("sample,float_pass", [(16, False), (64, False), (16, True)])
+def test_select_equals_reference_on_ties(topk, sample, float_pass):
+    """``float_pass``: the window pass compares fp32 scores with the bracket (signed zeros, infinities, NaN and
+    subnormals must order as their rank bits do)."""
     g = _gen(topk)
     M, N = 10, 37
-    logits = tied_scores(g, M, N)
+    logits = tied_scores(g, M, N, subnormals=float_pass)
     ks, ke = windows(g, M, N)
     slots = (torch.randperm(N + 5, generator=g)[:N] * 7).to(DEV)
     saved = ki.tuning()
     try:
-        ki.set_tuning(SELECT_SAMPLE=sample)
+        ki.set_tuning(SELECT_SAMPLE=sample, SELECT_FLOAT_PASS=float_pass)
         assert torch.equal(ki.topk_ragged(logits, ks, ke, topk), ix.topk_ragged_reference(logits, ks, ke, topk))
         assert torch.equal(ki.topk_paged(logits, ks, ke, topk, slots),
                            ix.topk_paged_reference(logits, ks, ke, topk, slots))
@@ -129,8 +134,11 @@ def _hard_rows(g, N, sample):
     return logits
 
 
-@pytest.mark.parametrize("block,sample,cols,paged", [(64, 16, None, True), (128, 64, None, False), (64, 16, 1, False)])
-def test_select_multi_block(block, sample, cols, paged):
+@pytest.mark.parametrize("block,sample,cols,paged,prefetch,float_pass",
+                         [(64, 16, None, True, False, False), (128, 64, None, False, False, False),
+                          (64, 16, 1, False, False, False), (64, 16, None, True, True, False),
+                          (64, 16, None, True, False, True), (64, 16, 1, False, False, True)])
+def test_select_multi_block(block, sample, cols, paged, prefetch, float_pass):
     """Windows many blocks long: the bracket pass, the 32-bin refinement and the ordered tie collection cross
     blocks; ``cols`` shrinks the candidate scratch (to its one-column minimum) so refinement reads the
     window itself.
@@ -138,7 +146,9 @@ def test_select_multi_block(block, sample, cols, paged):
     Interpreter cost is per block step (each pass walks the window a block at a time), so the blocks
     are 64 and 128 keys: 3 to 5 blocks over the 300-key windows.  PAGED differs from RAGGED only in
     the value the collection writes (the slot of a position, whatever the bracket and refinement
-    did), so it runs on one configuration, over every row."""
+    did), so it runs on one configuration, over every row.  ``prefetch`` loads each block of the window
+    pass one step ahead (the last prefetch lies past the window: masked); ``float_pass`` runs that pass on
+    fp32 compares in 32-key steps, four a round (several rounds over these windows)."""
     g = _gen(block + sample)
     N, topk = 300, 24
     logits = _hard_rows(g, N, sample).to(DEV)
@@ -147,13 +157,64 @@ def test_select_multi_block(block, sample, cols, paged):
     ke = torch.tensor([300, 290, 300, 299, 300, 300, 300, 280, 300], device=DEV)
     scratch = None if cols is None else torch.empty((M, cols), dtype=torch.int32, device=DEV)
     out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
-    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, sample=sample, scratch=scratch)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, sample=sample, scratch=scratch, prefetch=prefetch,
+                   float_pass=float_pass)
     assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
     if not paged:
         return
     slots = torch.randperm(N, generator=g).to(DEV) + 1000
-    ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, sample=sample, scratch=scratch)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, sample=sample, scratch=scratch,
+                   prefetch=prefetch, float_pass=float_pass)
     assert torch.equal(out, ix.topk_paged_reference(logits, ks, ke, topk, slots))
+
+
+@pytest.mark.parametrize("float_pass", [False, True])
+def test_select_subnormal_scores(float_pass):
+    """Subnormals of both signs and signed zeros where the bracket's bounds fall: a compare that flushed
+    subnormals to zero would tie keys the rank bits order (a too-short list only falls back to the exact
+    path, but a wrong count above the bracket picks wrong keys).  Top-k 100 of 300 with a 64-key sample puts
+    the upper bound inside the sample, on a subnormal or zero."""
+    g = _gen(5)
+    N, topk = 300, 100
+    levels = torch.tensor([3e-39, 2e-44, 1e-44, 2e-45, 1e-45, 0.0, -0.0, -1e-45, -3e-39])
+    rows = []
+    for weights in ([1, 1, 1, 2, 2, 2, 1, 1, 1], [0, 0, 1, 1, 4, 3, 2, 1, 0], [0, 0, 0, 0, 3, 2, 2, 3, 2],
+                    [1, 2, 2, 2, 1, 1, 1, 0, 0]):
+        rows.append(levels[torch.multinomial(torch.tensor(weights, dtype=torch.float), N, True, generator=g)])
+    logits = torch.stack(rows).to(DEV)
+    M = logits.shape[0]
+    ks = torch.tensor([0, 3, 0, 20], device=DEV)
+    ke = torch.tensor([300, 300, 290, 300], device=DEV)
+    out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=64, sample=64, float_pass=float_pass)
+    assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_select_refinement_compaction(compact):
+    """The refinement's copy of the first digit's candidates (``compact``) gives the reference's ids, and it runs:
+    with a roomy scratch the rank-bit column holds entries past the list only when compacting."""
+    g = _gen(11)
+    N, topk, sample = 300, 24, 16
+    logits = torch.randn(4, N, generator=g)
+    logits[1] = logits[1].round(decimals=1)  # ties inside the bracket
+    logits = logits.to(DEV)
+    M = logits.shape[0]
+    ks = torch.tensor([0, 0, 9, 40], device=DEV)
+    ke = torch.tensor([300, 300, 290, 300], device=DEV)
+    cap = N
+    scratch = torch.full((M, 2 * cap), -1, dtype=torch.int32, device=DEV)
+    out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=64, sample=sample, scratch=scratch, compact=compact)
+    assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
+    written = (scratch[:, :cap] != -1).sum(dim=1)
+    plain = torch.full_like(scratch, -1)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=64, sample=sample, scratch=plain, compact=False)
+    listed = (plain[:, :cap] != -1).sum(dim=1)
+    if compact:
+        assert bool((written > listed).any())
+    else:
+        assert torch.equal(written, listed)
 
 
 def test_select_scratch_is_checked():
@@ -419,6 +480,26 @@ def test_gpu_zero_heavy_ties_exact(sample, cols):
         assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, 2048))
     finally:
         ki.set_tuning(**saved)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block,warps,compact,prefetch", [(512, 4, False, False), (512, 4, True, False),
+                                                          (512, 4, True, True), (256, 2, False, True),
+                                                          (128, 1, False, False), (256, 1, True, True),
+                                                          (128, 2, True, False), (128, 1, True, True)])
+def test_gpu_select_launch_forms_exact(block, warps, compact, prefetch):
+    """Every launch form the selection's sweep times gives the reference's ids (production-length causal rows)."""
+    g = torch.Generator(device="cuda").manual_seed(block + warps)
+    M = N = 6000
+    logits = torch.randn(M, N, device="cuda", generator=g)
+    logits[::7] = logits[::7].round(decimals=1)  # tie-heavy rows
+    ks = torch.zeros(M, dtype=torch.int64, device="cuda")
+    ke = torch.arange(1, M + 1, device="cuda")
+    out = torch.empty((M, 2048), dtype=torch.int32, device="cuda")
+    ki.select_rows(logits, ks, ke, out, 0, M, 2048, block=block, num_warps=warps, compact=compact, prefetch=prefetch)
+    rows = torch.cat([torch.arange(2000, 2200), torch.arange(M - 300, M)]).cuda()
+    assert torch.equal(out[rows], ix.topk_ragged_reference(logits[rows], ks[rows], ke[rows], 2048))
 
 
 @pytest.mark.gpu
