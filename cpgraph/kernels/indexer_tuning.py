@@ -39,12 +39,25 @@ _TUNE = {
     "FP8_SCORE_MAXNREG": 0,
     # Selection (cpgraph/kernels/topk_select.py): window elements per step, warps per row program,
     # sampled keys that bracket the k-th key, register cap.
-    # Swept on an H200 at 32K causal rows, k = 2048 (benchmarks/topk_select_bench.py --sweep): small
-    # blocks and 4 warps keep several row programs per SM, which hides the passes' dependent latency.
-    "SELECT_BLOCK": 512,
-    "SELECT_WARPS": 4,
+    # Swept on an H200 at 32K causal rows, k = 2048 (benchmarks/topk_select_bench.py --sweep, 2026-12-04):
+    # one warp a row program with 128-key steps, the refinement's compaction and the window pass's
+    # prefetch took one launch from 3.67 to 2.80 ms (indexer-like scores; 3.56 -> 2.76 Gaussian, 2.72 ->
+    # 2.11 all-tied), exact on all three.  One warp: its scans and sums need no cross-warp barrier, and
+    # about 30 row programs fit an SM, which hides the passes' dependent latency.
+    "SELECT_BLOCK": 128,
+    "SELECT_WARPS": 1,
     "SELECT_SAMPLE": 512,
     "SELECT_MAXNREG": 0,
+    # Software-pipelining depth of the selection's window loop (0: Triton's default).
+    "SELECT_STAGES": 0,
+    # The refinement's later passes read a copy of the first digit's candidates, not the whole list.
+    "SELECT_COMPACT": True,
+    # The window pass loads block i + 1 before it scans block i (register double buffering).
+    "SELECT_PREFETCH": True,
+    # The window pass compares fp32 scores with the bracket's bounds in one-key-a-thread steps and
+    # converts only the list to rank bits: 171 instructions per 128 keys in its loop against 276
+    # (sm_90 SASS compiled here, benchmarks/sass_loops.py).  Opt-in until an H200 has timed it.
+    "SELECT_FLOAT_PASS": False,
     # Launch the selection's rows last first (causal windows grow with the row: longest first).
     "SELECT_LAST_ROW_FIRST": True,
 }
