@@ -17,7 +17,9 @@ main thread.  Phases, each starting from an empty cache:
    time: medians of HTTP overhead (client time - engine time), scheduling overhead (engine time -
    forward) and their sum, per request and per client, next to each client's floor (the same body
    posted to a bare aiohttp server); and the unloaded TTFT (p50/p99 of the HTTP times; prompts of the
-   trace's lengths, no cache hit);
+   trace's lengths, no cache hit); and, per client, the overhead *against direct calls*: the server's
+   overhead minus the direct calls' scheduling (medians), i.e. what HTTP adds to an engine embedded in
+   process, which pays admission, planning, sampling and the same two thread hand-offs;
 2. **saturation**: a pass of the trace that is not reported (every shape the load forms seen once),
    then the trace all at once (burst) and closed-loop (``--concurrency`` clients, each sending its
    next request when answered): requests/s and computed tokens/s; the closed-loop rate is the
@@ -372,6 +374,9 @@ def idle_overhead(server, trace, n: int) -> dict:
                      "handoff_floor_ms_p50": med(v[f"{kind}_handoff_floor"]),
                      "server_above_handoff_floor_ms_p50": med([a + b for a, b in zip(http, sched)])
                      - med(v[f"{kind}_handoff_floor"]),
+                     # What serving over HTTP adds to an in-process PrefillEngine call (both pay admission,
+                     # planning, sampling and the two thread hand-offs; forwards taken out).
+                     "overhead_vs_direct_ms_p50": med([a + b for a, b in zip(http, sched)]) - med(v["direct_sched"]),
                      "unloaded_ttft_ms_p50": 1e3 * _pct(v[f"{kind}_total"], 50),
                      "unloaded_ttft_ms_p99": 1e3 * _pct(v[f"{kind}_total"], 99)}
     # The headline figures: aiohttp client (what the rate phases use), as before.
@@ -631,8 +636,8 @@ def main() -> None:
                   f"{k['http_floor_ms_p50']:.3f} ms (HTTP above it: {k['http_above_floor_ms_p50']:.3f} ms), with "
                   f"the same thread hand-off around a forward-long wait: {k['handoff_floor_ms_p50']:.3f} ms (server "
                   f"overhead above it: {k['server_above_handoff_floor_ms_p50']:.3f} ms); "
-                  f"unloaded TTFT p50 {k['unloaded_ttft_ms_p50']:.1f} ms p99 {k['unloaded_ttft_ms_p99']:.1f} ms",
-                  flush=True)
+                  f"unloaded TTFT p50 {k['unloaded_ttft_ms_p50']:.1f} ms p99 {k['unloaded_ttft_ms_p99']:.1f} ms; "
+                  f"against direct engine calls: {k['overhead_vs_direct_ms_p50']:.3f} ms", flush=True)
         print(f"idle, direct engine calls: scheduling {idle['direct_scheduling_overhead_ms_p50']:.3f} ms", flush=True)
         if args.idle_only:
             return
