@@ -1,0 +1,38 @@
+"""``benchmarks/serve_bench.py --idle-only`` on CPU at tiny sizes: the idle phase runs and its report holds together.
+
+A subprocess, as ``cpgraph serve`` would run: its own server thread, event loop and lean client process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_idle_phase_reports_each_clients_overheads(tmp_path):
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--device", "cpu", "--model", "tiny",
+           "--system-len", "32", "64", "--suffix-len", "8", "32", "--requests", "8", "--token-budget", "256",
+           "--threads", "1", "--idle", "4", "--idle-only", "--out", str(out)]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    idle = json.loads(out.read_text())["idle"]
+    assert idle["requests"] == 4 and len(idle["forward_ms"]) == 4 * 2  # two HTTP clients a round in-process
+    for kind in ("aiohttp", "lean", "remote"):
+        k = idle[kind]
+        assert all(math.isfinite(v) for v in k.values()), k
+        assert k["http_overhead_ms_p50"] > 0 and k["http_floor_ms_p50"] > 0 and k["unloaded_ttft_ms_p50"] > 0
+        # against direct calls = the server's overhead less the direct calls' own (medians of the same run)
+        assert k["overhead_vs_direct_ms_p50"] == pytest.approx(
+            k["server_overhead_ms_p50"] - idle["direct_scheduling_overhead_ms_p50"], abs=1e-9)
+        assert f"against direct engine calls: {k['overhead_vs_direct_ms_p50']:.3f} ms" in proc.stdout
