@@ -733,6 +733,13 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
                 deterministic, compiled_fn, lambda: deterministic(ids, meta, mla, index).logits, tokens, repeat, warmup,
                 modes.get("compiled", {}).get("ms"), parts if args.profile else None))  # fmt: skip
             if det is not None:
+                # Its own plan: in the deterministic mode the fp32 products copy x to fp32 (plan_memory's flag).
+                dplan = plan_memory(cfg, tokens=tokens, dtype=variant.weights, kv_format=variant.kv, page_size=page,
+                                    max_logits_bytes=model.kv_layout.max_logits_bytes, deterministic=True)
+                det["memory_plan"] = {"activation_peak": dplan.activation_peak, "peak_phase": dplan.peak_phase,
+                                      "total": dplan.total_bytes}
+                if "peak_bytes" in det:
+                    det["peak_over_plan"] = det["peak_bytes"] / dplan.total_bytes
                 modes["deterministic"] = det
                 ratio = _fmt(det["vs_compiled"], ".3f")
                 vt.log(f"  {case.name} deterministic: {det['ms']:.2f} ms = {ratio} x compiled, |d| vs compiled "
