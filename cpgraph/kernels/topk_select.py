@@ -85,15 +85,8 @@ def _ranks_in_place(crow, count, BLOCK: tl.constexpr):
 def _float_step(x, pos, lo, hi, crow, prow, tlo_f, thi_f, has_hi, n_above, total, cap):
     """One step of :func:`_float_pass` over keys ``pos >= lo`` (values ``x``)."""
     valid = pos < hi
-    above = (valid & ~(x <= thi_f) & has_hi).to(tl.int32)
-    keep = (valid & ~(x < tlo_f)).to(tl.int32)
-    run = tl.cumsum(keep, axis=0) - keep  # exclusive
-    slot = total + run
-    ok = (keep != 0) & (slot < cap)
-    tl.store(crow + slot, x.to(tl.int32, bitcast=True), mask=ok)
-    tl.store(prow + slot, pos, mask=ok)
-    both = tl.sum(above | (keep << 16), axis=0)
-    return n_above + (both & 0xFFFF), total + (both >> 16)
+    return _list_append(crow, prow, x.to(tl.int32, bitcast=True), pos, valid & ~(x <= thi_f) & has_hi,
+                        valid & ~(x < tlo_f), n_above, total, cap)
 
 
 @triton.jit
@@ -199,14 +192,24 @@ def _bracket_step(srow, crow, prow, i0, hi, tlo, thi, n_above, total, cap, BLOCK
 def _bracket_block(x, crow, prow, pos, valid, tlo, thi, n_above, total, cap):
     """:func:`_bracket_step` on a block already loaded (``x`` at positions ``pos``)."""
     u = _rank_bits(x)
-    above = (valid & (u > thi)).to(tl.int32)
-    keep = (valid & (u >= tlo)).to(tl.int32)
+    return _list_append(crow, prow, u.to(tl.int32, bitcast=True), pos, valid & (u > thi), valid & (u >= tlo),
+                        n_above, total, cap)
+
+
+@triton.jit
+def _list_append(crow, prow, bits, pos, above, keep, n_above, total, cap):
+    """Append the ``keep`` keys (``bits``, ``pos``) to the row's list, in order; count the ``above`` and ``keep`` keys.
+
+    Slots past ``cap`` are not written (the count still grows: the caller sees the overflow).  One
+    packed sum counts both flags (a step holds fewer than 2^16 keys).
+    """
+    keep = keep.to(tl.int32)
     run = tl.cumsum(keep, axis=0) - keep  # exclusive
     slot = total + run
     ok = (keep != 0) & (slot < cap)
-    tl.store(crow + slot, u.to(tl.int32, bitcast=True), mask=ok)
+    tl.store(crow + slot, bits, mask=ok)
     tl.store(prow + slot, pos, mask=ok)
-    both = tl.sum(above | (keep << 16), axis=0)
+    both = tl.sum(above.to(tl.int32) | (keep << 16), axis=0)
     return n_above + (both & 0xFFFF), total + (both >> 16)
 
 
