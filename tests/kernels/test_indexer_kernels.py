@@ -484,11 +484,12 @@ def test_gpu_zero_heavy_ties_exact(sample, cols):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block,warps,compact,prefetch", [(512, 4, False, False), (512, 4, True, False),
-                                                          (512, 4, True, True), (256, 2, False, True),
-                                                          (128, 1, False, False), (256, 1, True, True),
-                                                          (128, 2, True, False), (128, 1, True, True)])
-def test_gpu_select_launch_forms_exact(block, warps, compact, prefetch):
+@pytest.mark.parametrize("block,warps,compact,prefetch,float_pass",
+                         [(512, 4, False, False, False), (512, 4, True, False, False), (512, 4, True, True, False),
+                          (256, 2, False, True, False), (128, 1, False, False, False), (256, 1, True, True, False),
+                          (128, 2, True, False, False), (128, 1, True, True, False), (128, 1, True, False, True),
+                          (128, 2, False, False, True), (512, 4, True, False, True)])
+def test_gpu_select_launch_forms_exact(block, warps, compact, prefetch, float_pass):
     """Every launch form the selection's sweep times gives the reference's ids (production-length causal rows)."""
     g = torch.Generator(device="cuda").manual_seed(block + warps)
     M = N = 6000
@@ -497,7 +498,8 @@ def test_gpu_select_launch_forms_exact(block, warps, compact, prefetch):
     ks = torch.zeros(M, dtype=torch.int64, device="cuda")
     ke = torch.arange(1, M + 1, device="cuda")
     out = torch.empty((M, 2048), dtype=torch.int32, device="cuda")
-    ki.select_rows(logits, ks, ke, out, 0, M, 2048, block=block, num_warps=warps, compact=compact, prefetch=prefetch)
+    ki.select_rows(logits, ks, ke, out, 0, M, 2048, block=block, num_warps=warps, compact=compact, prefetch=prefetch,
+                   float_pass=float_pass)
     rows = torch.cat([torch.arange(2000, 2200), torch.arange(M - 300, M)]).cuda()
     assert torch.equal(out[rows], ix.topk_ragged_reference(logits[rows], ks[rows], ke[rows], 2048))
 
