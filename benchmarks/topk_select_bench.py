@@ -123,7 +123,7 @@ def main(argv=None):
                     help="time every tuning variant on the first kind (the others: the default and the best)")
     ap.add_argument("--chunk-rows", type=int, default=4096, help="rows per launch of the chunked comparison")
     ap.add_argument("--stages", action="store_true",
-                    help="also time the stage cuts of the default and the last variant (where the time goes)")
+                    help="also time the stage cuts of the default and the fastest variant (where the time goes)")
     ap.add_argument("--json", default="")
     ap.add_argument("--write-tuning", default="",
                     help="write the first kind's fastest exact variant as a CPGRAPH_INDEXER_TUNING file")

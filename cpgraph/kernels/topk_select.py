@@ -463,8 +463,10 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
     RAGGED ids, or PAGED slots ``kv_slots[t]`` when ``kv_slots`` is given, in position order.
     ``scratch`` (int32 ``[>= m_rows, C]``, any ``C >= 1``) holds a row's list (``C // 2`` entries of
     rank bits, then their positions); allocated here (``C =`` :func:`scratch_columns`) when not given.  The keyword arguments after it are tuning
-    knobs for benchmarks; none changes the result.  Returns the launched Triton kernel (benchmarks
-    read its registers and shared memory, which bound the resident row programs per SM).
+    knobs for benchmarks; none changes the result, except ``stop_after`` (the stage cuts of
+    ``_select_kernel``'s ``STOP_AFTER``: the rows end early and ``out`` holds no ids).  ``float_pass``
+    ignores ``prefetch`` (its rounds load ahead on their own).  Returns the launched Triton kernel
+    (benchmarks read its registers and shared memory, which bound the resident row programs per SM).
     """
     if m_rows <= 0:
         return None
