@@ -58,6 +58,14 @@ _TUNE = {
     # converts only the list to rank bits: 171 instructions per 128 keys in its loop against 276
     # (sm_90 SASS compiled here, benchmarks/sass_loops.py).  Opt-in until an H200 has timed it.
     "SELECT_FLOAT_PASS": False,
+    # The list walks -- the refinement's histogram passes and the collection -- in one-entry-a-thread steps
+    # (32 x warps entries, four a round, the round's counts packed a byte a step: SELECT_WARPS < 8) instead of
+    # SELECT_BLOCK steps, so no values move between layouts through shared memory.  sm_90 SASS per 128 entries
+    # at one warp (benchmarks/sass_loops.py; counts, not times): the histogram loop 282 -> 198 instructions in
+    # the pass that also copies (155 -> 139 in the others), the collection 187 -> 172; with SELECT_FLOAT_PASS
+    # 283 -> 195 and 191 -> 171.  At 4 warps the collection is 210 -> 227 (two cross-warp scans a round).
+    # Opt-in until an H200 has timed it.
+    "SELECT_LIST_STEP": False,
     # Launch the selection's rows last first (causal windows grow with the row: longest first).
     "SELECT_LAST_ROW_FIRST": True,
 }
@@ -89,6 +97,10 @@ def set_tuning(**values) -> None:
     if block & (block - 1) or not 16 <= block <= (1 << 15):
         raise ValueError(f"cpgraph.kernels.indexer: SELECT_BLOCK must be a power of two in [16, 32768] (packed 16-bit "
                          f"counts), got {block!r}")
+    merged = dict(_TUNE, **values)
+    if merged["SELECT_LIST_STEP"] and 32 * merged["SELECT_WARPS"] >= 256:
+        raise ValueError(f"cpgraph.kernels.indexer: SELECT_LIST_STEP needs SELECT_WARPS < 8 (32 x warps-entry steps, "
+                         f"byte-packed counts), got {merged['SELECT_WARPS']}")
     _TUNE.update(values)
 
 

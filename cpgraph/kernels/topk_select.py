@@ -28,6 +28,11 @@ window to two and makes everything else work on a small candidate set:
    about 8x its list).  Without a list (missed bracket, overflow) the collection walks the
    window.  No sort: the output is in position order by construction.
 
+``LIST_STEP`` (opt-in) walks the list in 3 and 4 one entry a thread, 32 x warps entries a step
+and four steps a round (:func:`_list_hist`, :func:`_collect_list`), as :func:`_float_pass` walks
+the window: the loads, the scans and the scattered stores then share one layout, and one packed
+scan serves a round (a byte per step).  Same list, same copy, same ids.
+
 Scores map to order-preserving 32-bit rank bits (``-0.0`` -> ``0.0``, one NaN above ``+inf``).
 Why per row: a row's result must depend only on its own scores (CP = single device; tested by
 re-running rows in other batch compositions), and the window bounds live on the device, so no
@@ -214,13 +219,15 @@ def _list_append(crow, prow, bits, pos, above, keep, n_above, total, cap):
 
 
 @triton.jit
-def _digit_hist(srow, crow, lo, hi, base, count, direct, tlo, thi, prefix, shift, low, dst, BLOCK: tl.constexpr):
+def _digit_hist(srow, crow, lo, hi, base, count, direct, tlo, thi, prefix, shift, low, dst, BLOCK: tl.constexpr,
+                LIST_STEP: tl.constexpr, STEP: tl.constexpr):
     """32-bin histogram of bits ``[low, shift)`` of ``u - tlo`` over candidates whose bits from ``shift`` equal ``prefix``.
 
     Candidates are the ``count`` entries of ``crow[base:]`` in ``[tlo, thi]`` (the list also holds the
     keys above ``thi``), or with ``direct`` the window's keys in ``[tlo, thi]``.  With ``dst >= 0`` the
     counted entries are also copied, in order, to ``crow[dst:]``: the next passes read only those.
-    ``(x >> (shift - 1)) >> 1`` keeps every shift below 32.
+    ``(x >> (shift - 1)) >> 1`` keeps every shift below 32.  ``LIST_STEP``: the list in
+    one-entry-a-thread steps of ``STEP`` (:func:`_list_hist`).
     """
     hist = tl.zeros((32,), tl.int32)
     width = shift - low
@@ -235,27 +242,100 @@ def _digit_hist(srow, crow, lo, hi, base, count, direct, tlo, thi, prefix, shift
             m = valid & (u >= tlo) & (u <= thi) & (((rel >> (shift - 1).to(tl.uint32)) >> 1) == prefix)
             hist += tl.histogram(((rel >> low.to(tl.uint32)) & mask_bits).to(tl.int32), 32, mask=m)
             i0 += BLOCK
+    elif LIST_STEP:
+        hist = _list_hist(crow + base, count, tlo, thi, prefix, shift, low, mask_bits, crow + dst, dst >= 0, STEP)
     else:
         i0 = 0
         written = tl.full((), 0, tl.int32)
         while i0 < count:
             i = i0 + tl.arange(0, BLOCK)
             valid = i < count
-            u = tl.load(crow + base + i, mask=valid, other=0).to(tl.uint32, bitcast=True)
-            rel = u - tlo
-            m = valid & (u <= thi) & (((rel >> (shift - 1).to(tl.uint32)) >> 1) == prefix)
-            hist += tl.histogram(((rel >> low.to(tl.uint32)) & mask_bits).to(tl.int32), 32, mask=m)
-            if dst >= 0:
-                mi = m.to(tl.int32)
-                run = tl.cumsum(mi, axis=0) - mi  # exclusive
-                tl.store(crow + dst + written + run, u.to(tl.int32, bitcast=True), mask=m)
-                written += tl.sum(mi, axis=0)
+            hist, written = _hist_entries(_list_load(crow + base, i, count, 0), valid, tlo, thi, prefix, shift, low,
+                                          mask_bits, crow + dst, dst >= 0, written, hist)
             i0 += BLOCK
     return hist
 
 
 @triton.jit
-def _refine(srow, crow, lo, hi, count, direct, tlo, thi, need, cap, COMPACT: tl.constexpr, BLOCK: tl.constexpr):
+def _list_load(ptr, i, n, off):
+    """List entries ``ptr[i + off]`` (masked to ``i + off < n``) as rank bits.
+
+    ``(ptr + i) + off``: loads of one round share an address and differ by an immediate offset.
+    """
+    return tl.load(ptr + i + off, mask=i + off < n, other=0).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _hist_entries(u, valid, tlo, thi, prefix, shift, low, mask_bits, out, copy, written, hist):
+    """:func:`_digit_hist` on list entries already loaded (rank bits ``u``): add their digits to ``hist``.
+
+    With ``copy`` the counted entries are also written, in order, to ``out[written:]``.
+    """
+    digit, m = _digits(u, valid, tlo, thi, prefix, shift, low, mask_bits)
+    hist += tl.histogram(digit, 32, mask=m)
+    if copy:
+        mi = m.to(tl.int32)
+        run = tl.cumsum(mi, axis=0) - mi  # exclusive
+        tl.store(out + written + run, u.to(tl.int32, bitcast=True), mask=m)
+        written += tl.sum(mi, axis=0)
+    return hist, written
+
+
+@triton.jit
+def _digits(u, valid, tlo, thi, prefix, shift, low, mask_bits):
+    """The digits (bits ``[low, shift)`` of ``u - tlo``) of list entries ``u`` and which of them count."""
+    rel = u - tlo
+    m = valid & (u <= thi) & (((rel >> (shift - 1).to(tl.uint32)) >> 1) == prefix)
+    return ((rel >> low.to(tl.uint32)) & mask_bits).to(tl.int32), m
+
+
+@triton.jit
+def _list_hist(src, count, tlo, thi, prefix, shift, low, mask_bits, out, copy, STEP: tl.constexpr):
+    """:func:`_digit_hist` over list entries ``src[0:count]`` in one-entry-a-thread steps (``LIST_STEP``).
+
+    As :func:`_float_pass`: ``STEP`` is 32 x warps, so the loads, the scan and the scattered copy share
+    one layout (no shared-memory moves between them).  Four steps a round, their loads issued together
+    at its top (loading a round ahead cost 7 more instructions a round in sm_90 SASS, the collection's
+    13); the copy is one packed scan a round (:func:`_scan4`).  One histogram a round, over the four
+    steps' digits joined in registers (the join and the reshape move nothing: each thread holds its
+    four): Triton's histogram adds its counts through shared memory with three barriers a call, so
+    one call a step cost more than the layout conversions it saved (a first form with one call a
+    step, and loads a round ahead, counted 313 instructions a round against the ``BLOCK`` form's 282).
+    """
+    hist = tl.zeros((32,), tl.int32)
+    written = tl.full((), 0, tl.int32)
+    ar = tl.arange(0, STEP)
+    i0 = 0
+    while i0 < count:
+        i = i0 + ar
+        u0 = _list_load(src, i, count, 0)
+        u1 = _list_load(src, i, count, STEP)
+        u2 = _list_load(src, i, count, 2 * STEP)
+        u3 = _list_load(src, i, count, 3 * STEP)
+        d0, m0 = _digits(u0, i < count, tlo, thi, prefix, shift, low, mask_bits)
+        d1, m1 = _digits(u1, i + STEP < count, tlo, thi, prefix, shift, low, mask_bits)
+        d2, m2 = _digits(u2, i + 2 * STEP < count, tlo, thi, prefix, shift, low, mask_bits)
+        d3, m3 = _digits(u3, i + 3 * STEP < count, tlo, thi, prefix, shift, low, mask_bits)
+        d = tl.reshape(tl.join(tl.join(d0, d1), tl.join(d2, d3)), (4 * STEP,))
+        m = tl.reshape(tl.join(tl.join(m0, m1), tl.join(m2, m3)), (4 * STEP,))
+        hist += tl.histogram(d, 32, mask=m)
+        if copy:
+            run, n = _scan4(m0, m1, m2, m3)
+            tl.store(out + written + _byte(run, 0), u0.to(tl.int32, bitcast=True), mask=m0)
+            written += _byte(n, 0)
+            tl.store(out + written + _byte(run, 1), u1.to(tl.int32, bitcast=True), mask=m1)
+            written += _byte(n, 1)
+            tl.store(out + written + _byte(run, 2), u2.to(tl.int32, bitcast=True), mask=m2)
+            written += _byte(n, 2)
+            tl.store(out + written + _byte(run, 3), u3.to(tl.int32, bitcast=True), mask=m3)
+            written += _byte(n, 3)
+        i0 += 4 * STEP
+    return hist
+
+
+@triton.jit
+def _refine(srow, crow, lo, hi, count, direct, tlo, thi, need, cap, COMPACT: tl.constexpr, BLOCK: tl.constexpr,
+            LIST_STEP: tl.constexpr, STEP: tl.constexpr):
     """The exact k-th rank bits ``T`` in ``[tlo, thi]`` and how many keys equal to ``T`` to take.
 
     ``need`` is the k-th key's rank among the candidates (1 = the largest).  Each pass fixes up to
@@ -281,7 +361,8 @@ def _refine(srow, crow, lo, hi, count, direct, tlo, thi, need, cap, COMPACT: tl.
         dst = tl.full((), -1, tl.int32)
         if COMPACT:
             dst = tl.where((n_pass == 1) & (~direct) & (bucket <= cap - count), count, dst)
-        hist = _digit_hist(srow, crow, lo, hi, base, cnt, direct, tlo, thi, prefix, shift, low, dst, BLOCK)
+        hist = _digit_hist(srow, crow, lo, hi, base, cnt, direct, tlo, thi, prefix, shift, low, dst, BLOCK, LIST_STEP,
+                           STEP)
         if COMPACT:
             tl.debug_barrier()  # the copy was written by other threads of this program
             moved = dst >= 0
@@ -310,28 +391,125 @@ def _collect_step(srow, crow, prow, orow, kv_slots, i0, hi, threshold, need, tak
     idx = i0 + tl.arange(0, BLOCK)
     valid = idx < hi
     if FROM_LIST:
-        u = tl.load(crow + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        u = _list_load(crow, idx, hi, 0)
         pos = tl.load(prow + idx, mask=valid, other=0)
     else:
         u = _rank_bits(tl.load(srow + idx, mask=valid, other=0.0))
         pos = idx
+    return _collect_entries(u, pos, valid, orow, kv_slots, threshold, need, taken, ties, topk, PAGED)
+
+
+@triton.jit
+def _collect_entries(u, pos, valid, orow, kv_slots, threshold, need, taken, ties, topk, PAGED: tl.constexpr):
+    """:func:`_collect_step` on keys already loaded (rank bits ``u`` at positions ``pos``)."""
     above = (valid & (u > threshold)).to(tl.int32)
     eq = (valid & (u == threshold)).to(tl.int32)
     both = above | (eq << 16)
     run = tl.cumsum(both, axis=0) - both  # exclusive
+    total = tl.sum(both, axis=0)
+    return _collect_write(above, eq, run & 0xFFFF, run >> 16, total & 0xFFFF, total >> 16, pos, orow, kv_slots, need,
+                          taken, ties, topk, PAGED)
+
+
+@triton.jit
+def _collect_write(above, eq, above_before, eq_before, n_above, n_eq, pos, orow, kv_slots, need, taken, ties, topk,
+                   PAGED: tl.constexpr):
+    """Write a step's winners given each key's flags and the flags before it in the step; the new ``taken, ties``.
+
+    ``n_above``/``n_eq``: the step's totals.  The selected ties of a step are a prefix of its ties.
+    """
     room = tl.maximum(need - ties, 0)
-    eq_before = run >> 16
     sel = (above != 0) | ((eq != 0) & (eq_before < room))
-    slot = taken + (run & 0xFFFF) + tl.minimum(eq_before, room)
+    slot = taken + above_before + tl.minimum(eq_before, room)
     keep = sel & (slot < topk)
     if PAGED:
         val = tl.load(kv_slots + pos, mask=keep, other=-1).to(tl.int32)
     else:
         val = pos
     tl.store(orow + slot, val, mask=keep)
-    total = tl.sum(both, axis=0)
-    n_eq = total >> 16
-    return taken + (total & 0xFFFF) + tl.minimum(n_eq, room), ties + n_eq
+    return taken + n_above + tl.minimum(n_eq, room), ties + n_eq
+
+
+@triton.jit
+def _byte(x, b: tl.constexpr):
+    """Byte ``b`` of the int32 ``x`` (8-bit packed counts)."""
+    return (x >> (8 * b)) & 0xFF
+
+
+@triton.jit
+def _pack4(f0, f1, f2, f3):
+    """Four 0/1 flags a lane (one per step of a round) packed into bytes of one int32."""
+    return f0.to(tl.int32) | (f1.to(tl.int32) << 8) | (f2.to(tl.int32) << 16) | (f3.to(tl.int32) << 24)
+
+
+@triton.jit
+def _scan4(f0, f1, f2, f3):
+    """The exclusive scan and the total of a round's four flags, in one packed scan (byte ``b``: step ``b``).
+
+    Each step holds ``STEP < 256`` lanes, so no byte carries into the next (``_select_kernel`` checks it).
+    """
+    both = _pack4(f0, f1, f2, f3)
+    return tl.cumsum(both, axis=0) - both, tl.sum(both, axis=0)
+
+
+@triton.jit
+def _collect_round(u0, u1, u2, u3, p0, p1, p2, p3, i, total, orow, kv_slots, threshold, need, taken, ties, topk,
+                   PAGED: tl.constexpr, STEP: tl.constexpr):
+    """:func:`_collect_entries` over a round of four one-entry-a-thread steps (list entries ``i + b STEP``).
+
+    Two packed scans a round (one of the flags above ``threshold``, one of its ties) instead of four.
+    """
+    v0 = i < total
+    v1 = i + STEP < total
+    v2 = i + 2 * STEP < total
+    v3 = i + 3 * STEP < total
+    a0 = (v0 & (u0 > threshold)).to(tl.int32)
+    a1 = (v1 & (u1 > threshold)).to(tl.int32)
+    a2 = (v2 & (u2 > threshold)).to(tl.int32)
+    a3 = (v3 & (u3 > threshold)).to(tl.int32)
+    e0 = (v0 & (u0 == threshold)).to(tl.int32)
+    e1 = (v1 & (u1 == threshold)).to(tl.int32)
+    e2 = (v2 & (u2 == threshold)).to(tl.int32)
+    e3 = (v3 & (u3 == threshold)).to(tl.int32)
+    ra, ta = _scan4(a0, a1, a2, a3)
+    re, te = _scan4(e0, e1, e2, e3)
+    taken, ties = _collect_write(a0, e0, _byte(ra, 0), _byte(re, 0), _byte(ta, 0), _byte(te, 0), p0, orow, kv_slots,
+                                 need, taken, ties, topk, PAGED)
+    taken, ties = _collect_write(a1, e1, _byte(ra, 1), _byte(re, 1), _byte(ta, 1), _byte(te, 1), p1, orow, kv_slots,
+                                 need, taken, ties, topk, PAGED)
+    taken, ties = _collect_write(a2, e2, _byte(ra, 2), _byte(re, 2), _byte(ta, 2), _byte(te, 2), p2, orow, kv_slots,
+                                 need, taken, ties, topk, PAGED)
+    return _collect_write(a3, e3, _byte(ra, 3), _byte(re, 3), _byte(ta, 3), _byte(te, 3), p3, orow, kv_slots, need,
+                          taken, ties, topk, PAGED)
+
+
+@triton.jit
+def _collect_list(crow, prow, orow, kv_slots, total, threshold, need, topk, PAGED: tl.constexpr,
+                  STEP: tl.constexpr):
+    """The collection over the list's ``total`` entries in one-entry-a-thread steps (``LIST_STEP``).
+
+    :func:`_collect_step` from the list with ``STEP`` = 32 x warps, as :func:`_float_pass`: the loads,
+    the scans and the scattered stores share one layout.  Four steps a round, their eight loads issued
+    together at its top; it stops after the round in which ``topk`` keys are out (that round's later
+    steps write nothing: their slots are past ``topk``).
+    """
+    ar = tl.arange(0, STEP)
+    taken = tl.full((), 0, tl.int32)
+    ties = tl.full((), 0, tl.int32)
+    i0 = 0
+    while (i0 < total) & (taken < topk):
+        i = i0 + ar
+        u0 = _list_load(crow, i, total, 0)
+        u1 = _list_load(crow, i, total, STEP)
+        u2 = _list_load(crow, i, total, 2 * STEP)
+        u3 = _list_load(crow, i, total, 3 * STEP)
+        p0 = tl.load(prow + i, mask=i < total, other=0)
+        p1 = tl.load(prow + i + STEP, mask=i + STEP < total, other=0)
+        p2 = tl.load(prow + i + 2 * STEP, mask=i + 2 * STEP < total, other=0)
+        p3 = tl.load(prow + i + 3 * STEP, mask=i + 3 * STEP < total, other=0)
+        taken, ties = _collect_round(u0, u1, u2, u3, p0, p1, p2, p3, i, total, orow, kv_slots, threshold, need, taken,
+                                     ties, topk, PAGED, STEP)
+        i0 += 4 * STEP
 
 
 @triton.jit
@@ -341,6 +519,7 @@ def _select_kernel(
     BLOCK: tl.constexpr, SAMPLE: tl.constexpr, PAGED: tl.constexpr, LOOP_WHILE: tl.constexpr,
     LAST_ROW_FIRST: tl.constexpr = False, COMPACT: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     FLOAT_PASS: tl.constexpr = False, PASS_STEP: tl.constexpr = 32, STOP_AFTER: tl.constexpr = 0,
+    LIST_STEP: tl.constexpr = False,
 ):  # fmt: skip
     """Row ``row0 + local`` of ``out`` <- its top-k under the tie rule, in position order (scores row = local).
 
@@ -351,7 +530,12 @@ def _select_kernel(
     ``STOP_AFTER`` (benchmarks only: the output is then wrong) ends each row after stage 1 (the
     sample's bracket), 2 (the window pass) or 3 (the refinement), so timing differences place the
     time inside the kernel where no hardware counters can.
+
+    ``LIST_STEP`` walks the list (the refinement's histogram passes and the collection) in steps of
+    ``PASS_STEP`` = 32 x warps entries, one a thread, instead of ``BLOCK``; a round's four step counts
+    share one int32, a byte each, so ``PASS_STEP`` must stay below 256.
     """
+    tl.static_assert(PASS_STEP < 256 or not LIST_STEP, "LIST_STEP: 32 x warps must stay below 256 (byte counts)")
     local = tl.program_id(0)
     if LAST_ROW_FIRST:
         local = m_rows - 1 - local
@@ -422,7 +606,7 @@ def _select_kernel(
         direct = (~hit) | (total > cand_cap)
         tl.debug_barrier()  # list entries written by other threads of this program
         threshold, need = _refine(srow, crow, lo, hi, total, direct, tlo, thi, topk - n_above, cand_cap, COMPACT,
-                                  BLOCK)
+                                  BLOCK, LIST_STEP, PASS_STEP)
         if STOP_AFTER == 3:
             tl.store(orow, threshold.to(tl.int32, bitcast=True) + need)
             return
@@ -434,6 +618,8 @@ def _select_kernel(
                 taken, ties = _collect_step(srow, crow, prow, orow, kv_slots, i0, hi, threshold, need, taken, ties,
                                             topk, False, PAGED, BLOCK)
                 i0 += BLOCK
+        elif LIST_STEP:
+            _collect_list(crow, prow, orow, kv_slots, total, threshold, need, topk, PAGED, PASS_STEP)
         else:
             i0 = 0
             while (i0 < total) & (taken < topk):  # the list: every winner, in position order
@@ -457,7 +643,7 @@ def scratch_columns(n_keys: int, topk: int) -> int:
 
 def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots=None, *, scratch=None,
                 block=None, num_warps=None, sample=None, maxnreg=None, num_stages=None, compact=None,
-                prefetch=None, float_pass=None, stop_after=0):
+                prefetch=None, float_pass=None, list_step=None, stop_after=0):
     """Top-k of rows ``[row0, row0 + m_rows)`` (scores in ``scores[0:m_rows]``) into ``out`` (int32 ``[M, topk]``).
 
     RAGGED ids, or PAGED slots ``kv_slots[t]`` when ``kv_slots`` is given, in position order.
@@ -465,7 +651,8 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
     rank bits, then their positions); allocated here (``C =`` :func:`scratch_columns`) when not given.  The keyword arguments after it are tuning
     knobs for benchmarks; none changes the result, except ``stop_after`` (the stage cuts of
     ``_select_kernel``'s ``STOP_AFTER``: the rows end early and ``out`` holds no ids).  ``float_pass``
-    ignores ``prefetch`` (its rounds load ahead on their own).  Returns the launched Triton kernel
+    ignores ``prefetch`` (its rounds load ahead on their own); ``list_step`` (the list walks one entry a
+    thread) needs fewer than 8 warps.  Returns the launched Triton kernel
     (benchmarks read its registers and shared memory, which bound the resident row programs per SM).
     """
     if m_rows <= 0:
@@ -486,6 +673,10 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
     cap = _TUNE["SELECT_MAXNREG"] if maxnreg is None else maxnreg
     stages = num_stages or _TUNE["SELECT_STAGES"]
     warps = num_warps or (4 if interpreting() else _TUNE["SELECT_WARPS"])
+    list_step = _TUNE["SELECT_LIST_STEP"] if list_step is None else bool(list_step)
+    if list_step and 32 * warps >= 256:
+        raise ValueError(f"cpgraph.kernels.topk_select: list_step needs fewer than 8 warps (32 x warps-entry steps, "
+                         f"byte-packed counts), got {warps}")
     return _select_kernel[(m_rows,)](
         scores, ks, ke, kv_slots if paged else ks, out, scratch, row0, m_rows, N, scores.stride(0), scratch.stride(0),
         scratch.shape[1] // 2, topk,
@@ -494,7 +685,7 @@ def select_rows(scores, ks, ke, out, row0: int, m_rows: int, topk: int, kv_slots
         COMPACT=_TUNE["SELECT_COMPACT"] if compact is None else bool(compact),
         PREFETCH=_TUNE["SELECT_PREFETCH"] if prefetch is None else bool(prefetch),
         FLOAT_PASS=_TUNE["SELECT_FLOAT_PASS"] if float_pass is None else bool(float_pass), PASS_STEP=32 * warps,
-        STOP_AFTER=int(stop_after), num_warps=warps,
+        STOP_AFTER=int(stop_after), LIST_STEP=list_step, num_warps=warps,
         **({"maxnreg": cap} if cap and not interpreting() else {}),
         **({"num_stages": stages} if stages and not interpreting() else {}),
     )  # fmt: skip

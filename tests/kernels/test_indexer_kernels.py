@@ -97,10 +97,12 @@ def integer_inputs(seed, M, H, D, N, dtype=torch.bfloat16):
 
 # ---------------------------------------------------------------- selection
 @pytest.mark.parametrize("topk", [1, 5, 16, 40])
-@pytest.mark.parametrize("sample,float_pass", [(16, False), (64, False), (16, True)])
-def test_select_equals_reference_on_ties(topk, sample, float_pass):
+@pytest.mark.parametrize("sample,float_pass,list_step", [(16, False, False), (64, False, False), (16, True, False),
+                                                         (16, False, True), (16, True, True)])
+def test_select_equals_reference_on_ties(topk, sample, float_pass, list_step):
     """``float_pass``: the window pass compares fp32 scores with the bracket (signed zeros, infinities, NaN and
-    subnormals must order as their rank bits do)."""
+    subnormals must order as their rank bits do); ``list_step``: the refinement and the collection walk the list
+    one entry a thread (topk 40 > N: every window is copied whole)."""
     g = _gen(topk)
     M, N = 10, 37
     logits = tied_scores(g, M, N, subnormals=float_pass)
@@ -108,7 +110,7 @@ def test_select_equals_reference_on_ties(topk, sample, float_pass):
     slots = (torch.randperm(N + 5, generator=g)[:N] * 7).to(DEV)
     saved = ki.tuning()
     try:
-        ki.set_tuning(SELECT_SAMPLE=sample, SELECT_FLOAT_PASS=float_pass)
+        ki.set_tuning(SELECT_SAMPLE=sample, SELECT_FLOAT_PASS=float_pass, SELECT_LIST_STEP=list_step)
         assert torch.equal(ki.topk_ragged(logits, ks, ke, topk), ix.topk_ragged_reference(logits, ks, ke, topk))
         assert torch.equal(ki.topk_paged(logits, ks, ke, topk, slots),
                            ix.topk_paged_reference(logits, ks, ke, topk, slots))
@@ -134,11 +136,12 @@ def _hard_rows(g, N, sample):
     return logits
 
 
-@pytest.mark.parametrize("block,sample,cols,paged,prefetch,float_pass",
-                         [(64, 16, None, True, False, False), (128, 64, None, False, False, False),
-                          (64, 16, 1, False, False, False), (64, 16, None, True, True, False),
-                          (64, 16, None, True, False, True), (64, 16, 1, False, False, True)])
-def test_select_multi_block(block, sample, cols, paged, prefetch, float_pass):
+@pytest.mark.parametrize("block,sample,cols,paged,prefetch,float_pass,list_step",
+                         [(64, 16, None, True, False, False, False), (128, 64, None, False, False, False, False),
+                          (64, 16, 1, False, False, False, False), (64, 16, None, True, True, False, False),
+                          (64, 16, None, True, False, True, False), (64, 16, 1, False, False, True, False),
+                          (64, 16, None, True, True, False, True), (64, 16, 1, False, False, True, True)])
+def test_select_multi_block(block, sample, cols, paged, prefetch, float_pass, list_step):
     """Windows many blocks long: the bracket pass, the 32-bin refinement and the ordered tie collection cross
     blocks; ``cols`` shrinks the candidate scratch (to its one-column minimum) so refinement reads the
     window itself.
@@ -148,7 +151,8 @@ def test_select_multi_block(block, sample, cols, paged, prefetch, float_pass):
     the value the collection writes (the slot of a position, whatever the bracket and refinement
     did), so it runs on one configuration, over every row.  ``prefetch`` loads each block of the window
     pass one step ahead (the last prefetch lies past the window: masked); ``float_pass`` runs that pass on
-    fp32 compares in 32-key steps, four a round (several rounds over these windows)."""
+    fp32 compares in 32-key steps, four a round (several rounds over these windows); ``list_step`` walks the
+    list one entry a thread (:func:`test_select_list_step_rounds` covers its rounds)."""
     g = _gen(block + sample)
     N, topk = 300, 24
     logits = _hard_rows(g, N, sample).to(DEV)
@@ -158,18 +162,18 @@ def test_select_multi_block(block, sample, cols, paged, prefetch, float_pass):
     scratch = None if cols is None else torch.empty((M, cols), dtype=torch.int32, device=DEV)
     out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
     ki.select_rows(logits, ks, ke, out, 0, M, topk, block=block, sample=sample, scratch=scratch, prefetch=prefetch,
-                   float_pass=float_pass)
+                   float_pass=float_pass, list_step=list_step)
     assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
     if not paged:
         return
     slots = torch.randperm(N, generator=g).to(DEV) + 1000
     ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=block, sample=sample, scratch=scratch,
-                   prefetch=prefetch, float_pass=float_pass)
+                   prefetch=prefetch, float_pass=float_pass, list_step=list_step)
     assert torch.equal(out, ix.topk_paged_reference(logits, ks, ke, topk, slots))
 
 
-@pytest.mark.parametrize("float_pass", [False, True])
-def test_select_subnormal_scores(float_pass):
+@pytest.mark.parametrize("float_pass,list_step", [(False, False), (True, False), (True, True)])
+def test_select_subnormal_scores(float_pass, list_step):
     """Subnormals of both signs and signed zeros where the bracket's bounds fall: a compare that flushed
     subnormals to zero would tie keys the rank bits order (a too-short list only falls back to the exact
     path, but a wrong count above the bracket picks wrong keys).  Top-k 100 of 300 with a 64-key sample puts
@@ -186,8 +190,45 @@ def test_select_subnormal_scores(float_pass):
     ks = torch.tensor([0, 3, 0, 20], device=DEV)
     ke = torch.tensor([300, 300, 290, 300], device=DEV)
     out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
-    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=64, sample=64, float_pass=float_pass)
+    ki.select_rows(logits, ks, ke, out, 0, M, topk, block=64, sample=64, float_pass=float_pass, list_step=list_step)
     assert torch.equal(out, ix.topk_ragged_reference(logits, ks, ke, topk))
+
+
+@pytest.mark.parametrize("float_pass,paged,cols", [(False, True, None), (True, False, None), (False, False, 840)])
+def test_select_list_step_rounds(float_pass, paged, cols):
+    """The list walks one entry a thread (``list_step``) over several rounds: one warp makes 32-entry steps, four a
+    round, and these lists hold 280 to 600 entries, so rounds end part-way, ties of the k-th key cross steps and
+    rounds (rows 1, 2 and the all-equal row 7), and the refinement's copy spans rounds.  Against the reference,
+    PAGED included, and against the BLOCK form: the same list and the same compaction copy in the scratch, to the
+    entry.  ``cols`` 840 (420 entries): some rows' lists fit with no room for the copy (no compaction), the longest
+    overflow (the window paths, which ``list_step`` leaves as they are).
+    """
+    g = _gen(21)
+    N, topk, sample = 600, 100, 16
+    logits = _hard_rows(g, N, sample).to(DEV)
+    M = logits.shape[0]
+    ks = torch.tensor([0, 5, 0, 17, 0, 250, 0, 3, 0], device=DEV)
+    ke = torch.tensor([600, 590, 600, 599, 600, 600, 600, 580, 600], device=DEV)
+    slots = (torch.randperm(N, generator=g) + 1000).to(DEV) if paged else None
+    want = (ix.topk_paged_reference(logits, ks, ke, topk, slots) if paged
+            else ix.topk_ragged_reference(logits, ks, ke, topk))
+    scratch = {}
+    for list_step in (True, False):
+        scratch[list_step] = torch.full((M, cols or 2 * N), -1, dtype=torch.int32, device=DEV)
+        out = torch.full((M, topk), -7, dtype=torch.int32, device=DEV)
+        ki.select_rows(logits, ks, ke, out, 0, M, topk, slots, block=64, sample=sample, num_warps=1,
+                       scratch=scratch[list_step], float_pass=float_pass, list_step=list_step)
+        assert torch.equal(out, want), f"list_step={list_step}"
+    assert torch.equal(scratch[True], scratch[False])
+
+
+def test_select_list_step_needs_fewer_than_8_warps():
+    """A round's four step counts share an int32 a byte each: 32 x warps must stay below 256."""
+    logits = torch.zeros(2, 8, device=DEV)
+    ks, ke = torch.zeros(2, dtype=torch.int64, device=DEV), torch.full((2,), 8, device=DEV)
+    out = torch.empty((2, 3), dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="list_step needs fewer than 8 warps"):
+        ki.select_rows(logits, ks, ke, out, 0, 2, 3, num_warps=8, list_step=True)
 
 
 @pytest.mark.parametrize("compact", [False, True])
@@ -484,12 +525,16 @@ def test_gpu_zero_heavy_ties_exact(sample, cols):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block,warps,compact,prefetch,float_pass",
-                         [(512, 4, False, False, False), (512, 4, True, False, False), (512, 4, True, True, False),
-                          (256, 2, False, True, False), (128, 1, False, False, False), (256, 1, True, True, False),
-                          (128, 2, True, False, False), (128, 1, True, True, False), (128, 1, True, False, True),
-                          (128, 2, False, False, True), (512, 4, True, False, True)])
-def test_gpu_select_launch_forms_exact(block, warps, compact, prefetch, float_pass):
+@pytest.mark.parametrize("block,warps,compact,prefetch,float_pass,list_step",
+                         [(512, 4, False, False, False, False), (512, 4, True, False, False, False),
+                          (512, 4, True, True, False, False), (256, 2, False, True, False, False),
+                          (128, 1, False, False, False, False), (256, 1, True, True, False, False),
+                          (128, 2, True, False, False, False), (128, 1, True, True, False, False),
+                          (128, 1, True, False, True, False), (128, 2, False, False, True, False),
+                          (512, 4, True, False, True, False), (128, 1, True, True, False, True),
+                          (128, 1, True, False, True, True), (128, 1, False, True, False, True),
+                          (256, 2, True, False, True, True), (512, 4, True, True, False, True)])
+def test_gpu_select_launch_forms_exact(block, warps, compact, prefetch, float_pass, list_step):
     """Every launch form the selection's sweep times gives the reference's ids (production-length causal rows)."""
     g = torch.Generator(device="cuda").manual_seed(block + warps)
     M = N = 6000
@@ -499,7 +544,7 @@ def test_gpu_select_launch_forms_exact(block, warps, compact, prefetch, float_pa
     ke = torch.arange(1, M + 1, device="cuda")
     out = torch.empty((M, 2048), dtype=torch.int32, device="cuda")
     ki.select_rows(logits, ks, ke, out, 0, M, 2048, block=block, num_warps=warps, compact=compact, prefetch=prefetch,
-                   float_pass=float_pass)
+                   float_pass=float_pass, list_step=list_step)
     rows = torch.cat([torch.arange(2000, 2200), torch.arange(M - 300, M)]).cuda()
     assert torch.equal(out[rows], ix.topk_ragged_reference(logits[rows], ks[rows], ke[rows], 2048))
 
@@ -577,6 +622,11 @@ def test_tuning_overrides_are_validated(tmp_path, monkeypatch):
             ki.set_tuning(SELECT_BLOCK=1 << 16)
         with pytest.raises(ValueError, match="FP8_ACC_GROUP must be"):
             ki.set_tuning(FP8_ACC_GROUP=16)
+        with pytest.raises(ValueError, match="'SELECT_LIST_STEP' must be bool"):
+            ki.set_tuning(SELECT_LIST_STEP=1)
+        with pytest.raises(ValueError, match="SELECT_LIST_STEP needs SELECT_WARPS < 8"):
+            ki.set_tuning(SELECT_LIST_STEP=True, SELECT_WARPS=8)
+        assert ki.tuning()["SELECT_LIST_STEP"] == saved["SELECT_LIST_STEP"]
         path = tmp_path / "tune.json"
         path.write_text('{"KEY_TILE": 64, "SELECT_SAMPLE": 32}')  # a short sample: the interpreter sorts it per row
         monkeypatch.setenv("CPGRAPH_INDEXER_TUNING", str(path))
