@@ -29,19 +29,36 @@ def _loops(tmp_path, *flags: str) -> dict:
 
 @pytest.mark.slow
 def test_counts_each_variants_loops(tmp_path):
-    """Both window-pass forms compile for sm_90 and their loops are found; the float pass's window loop (the one
-    that loads the window and stores to the list, several keys a thread) holds no shared-memory moves, which
-    is what its one-key-a-thread steps are for."""
+    """Both window-pass forms and both list-walk forms compile for sm_90 and their loops are found, each named by its
+    source line; the float pass's window loop (the one that loads the window and stores to the list, several keys a
+    thread) holds no shared-memory moves, which is what its one-key-a-thread steps are for, and neither do the list
+    walks of ``--list-step`` (the refinement's histogram passes with their copy, the collection)."""
     def window_loop(report):
         # the window pass: the loop with the most global stores among those that also load
         return max((lp for lp in report["loops"] if lp["mix"].get("LDG") and lp["mix"].get("STG")),
                    key=lambda lp: (lp["mix"]["STG"], lp["instructions"]))
 
-    ranks = _loops(tmp_path, "--block", "128", "--warps", "1", "--no-float-pass")
-    floats = _loops(tmp_path, "--block", "128", "--warps", "1", "--float-pass")
-    for report in (ranks, floats):
-        assert report["instructions"] > 100 and report["loops"]
+    def loop_in(report, function):
+        found = [lp for lp in report["loops"] if lp.get("at", "").startswith(function + ":")]
+        assert found, [lp.get("at") for lp in report["loops"]]
+        return max(found, key=lambda lp: lp["instructions"])
+
+    ranks = _loops(tmp_path, "--block", "128", "--warps", "1", "--no-float-pass", "--no-list-step")
+    floats = _loops(tmp_path, "--block", "128", "--warps", "1", "--float-pass", "--no-list-step")
+    steps = _loops(tmp_path, "--block", "128", "--warps", "1", "--no-float-pass", "--list-step")
+    for report in (ranks, floats, steps):
+        assert report["instructions"] > 100 and report["loops"] and report["registers"] > 0
         assert all(lp["instructions"] >= 1 and sum(lp["mix"].values()) == lp["instructions"] for lp in report["loops"])
+        assert all(sk["instructions"] < lp["instructions"] for lp in report["loops"] for sk in lp["skips"])
     assert floats["variant"]["float_pass"] and not ranks["variant"]["float_pass"]
+    assert steps["variant"]["list_step"] and not ranks["variant"]["list_step"]
     assert window_loop(ranks)["mix"].get("STS", 0) > 0  # the rank-bit pass moves values between layouts
     assert window_loop(floats)["mix"].get("STS", 0) == 0
+    # The list's histogram loop (the larger of _digit_hist's two): its copy is a branch, and in the BLOCK form its
+    # values move between layouts; one entry a thread, only the histogram's own counts go through shared memory
+    # (one STS, ATOMS and LDS a round), and the collection none.
+    assert loop_in(ranks, "_digit_hist")["skips"] and loop_in(steps, "_list_hist")["skips"]
+    assert loop_in(ranks, "_digit_hist")["mix"].get("STS", 0) > 1
+    for function in ("_list_hist", "_collect_list"):
+        mix = loop_in(steps, function)["mix"]
+        assert mix.get("STS", 0) <= 1 and mix.get("LDS", 0) <= 1, (function, mix)
