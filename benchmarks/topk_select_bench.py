@@ -36,15 +36,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOPK = 2048
-# (block, warps, sample, maxnreg, stages, compact, prefetch, float_pass) variants of --sweep; the first is the
-# default tuning.  Fewer warps a program: no cross-warp barriers in the block scans and more resident row
-# programs.  ``prefetch``: the window pass loads the next block before it scans this one.  ``float_pass``: the
-# window pass compares fp32 scores in 32 x warps-key steps (kernels/topk_select.py, ``_float_pass``).
-SWEEP = [(512, 4, 512, 0, 0, False, False, False), (128, 1, 512, 0, 0, True, True, False),
-         (128, 1, 512, 0, 0, True, False, True), (128, 1, 512, 0, 0, False, False, True),
-         (256, 1, 512, 0, 0, True, False, True), (64, 1, 512, 0, 0, True, False, True),
-         (128, 1, 256, 0, 0, True, False, True), (128, 2, 512, 0, 0, True, False, True),
-         (128, 1, 512, 48, 0, True, False, True), (512, 4, 512, 0, 0, True, False, True)]
+# (block, warps, sample, maxnreg, stages, compact, prefetch, float_pass, list_step) variants of --sweep, fields in
+# the order of TUNING_NAMES; the first is the default tuning.  Fewer warps a program: no cross-warp barriers in the
+# block scans and more resident row programs.  ``prefetch``: the window pass loads the next block before it scans
+# this one.  ``float_pass``: the window pass compares fp32 scores in 32 x warps-key steps (kernels/topk_select.py,
+# ``_float_pass``).  ``list_step``: the refinement's histogram passes and the collection walk the list in 32 x
+# warps-entry steps, one entry a thread (``_list_hist``, ``_collect_list``).
+SWEEP = [(512, 4, 512, 0, 0, False, False, False, False), (128, 1, 512, 0, 0, True, True, False, False),
+         (128, 1, 512, 0, 0, True, False, True, False), (128, 1, 512, 0, 0, False, False, True, False),
+         (256, 1, 512, 0, 0, True, False, True, False), (64, 1, 512, 0, 0, True, False, True, False),
+         (128, 1, 256, 0, 0, True, False, True, False), (128, 2, 512, 0, 0, True, False, True, False),
+         (128, 1, 512, 48, 0, True, False, True, False), (512, 4, 512, 0, 0, True, False, True, False),
+         (128, 1, 512, 0, 0, True, True, False, True), (128, 1, 512, 0, 0, True, False, True, True),
+         (128, 1, 512, 0, 0, False, True, False, True), (128, 2, 512, 0, 0, True, False, True, True)]
+# The tuning parameter of each field of a variant (--write-tuning writes the fastest exact variant under these).
+TUNING_NAMES = ("SELECT_BLOCK", "SELECT_WARPS", "SELECT_SAMPLE", "SELECT_MAXNREG", "SELECT_STAGES", "SELECT_COMPACT",
+                "SELECT_PREFETCH", "SELECT_FLOAT_PASS", "SELECT_LIST_STEP")
 # Stage cuts (--stages): the kernel ends each row after the sample's bracket (1), the window pass (2)
 # or the refinement (3); differences of these times place the time inside the kernel.
 STAGES = {1: "sample + bracket", 2: "+ window pass", 3: "+ refinement"}
@@ -153,10 +160,10 @@ def main(argv=None):
             if first.get("best") and tuple(first["best"]["variant"]) != SWEEP[0]:
                 variants = [SWEEP[0], tuple(first["best"]["variant"])]
         def launch(v, stop=0):
-            block, warps, sample, maxnreg, stages, compact, prefetch, float_pass = v
+            block, warps, sample, maxnreg, stages, compact, prefetch, float_pass, list_step = v
             return ki.select_rows(buf, ks, ke, out, 0, S, TOPK, scratch=scratch, block=block, num_warps=warps,
                                   sample=sample, maxnreg=maxnreg, num_stages=stages or None, compact=compact,
-                                  prefetch=prefetch, float_pass=float_pass, stop_after=stop)
+                                  prefetch=prefetch, float_pass=float_pass, list_step=list_step, stop_after=stop)
 
         for v in variants:
             launched = {}
@@ -218,12 +225,23 @@ def main(argv=None):
         first = next(iter(results["kinds"].values()))
         exact = [r for r in first["variants"] if r["wrong_rows"] == 0]
         if exact:
-            v = min(exact, key=lambda r: r["ms"])["variant"]
-            names = ("SELECT_BLOCK", "SELECT_WARPS", "SELECT_SAMPLE", "SELECT_MAXNREG", "SELECT_STAGES",
-                     "SELECT_COMPACT", "SELECT_PREFETCH", "SELECT_FLOAT_PASS")
-            Path(args.write_tuning).write_text(json.dumps(dict(zip(names, v))))
-            print(f"tuning written to {args.write_tuning}: {dict(zip(names, v))}", flush=True)
+            tuning = write_tuning(args.write_tuning, min(exact, key=lambda r: r["ms"])["variant"])
+            print(f"tuning written to {args.write_tuning}: {tuning}", flush=True)
     return 0
+
+
+def variant_tuning(variant) -> dict:
+    """A --sweep variant as tuning parameters (``set_tuning`` / ``CPGRAPH_INDEXER_TUNING`` names)."""
+    if len(variant) != len(TUNING_NAMES):
+        raise ValueError(f"topk_select_bench: a variant has {len(TUNING_NAMES)} fields, got {variant!r}")
+    return dict(zip(TUNING_NAMES, variant))
+
+
+def write_tuning(path, variant) -> dict:
+    """Write ``variant`` as a ``CPGRAPH_INDEXER_TUNING`` file; returns what was written."""
+    tuning = variant_tuning(variant)
+    Path(path).write_text(json.dumps(tuning))
+    return tuning
 
 
 if __name__ == "__main__":
