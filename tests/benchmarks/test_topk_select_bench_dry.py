@@ -7,6 +7,7 @@ by ``CPGRAPH_INDEXER_TUNING`` as the same tuning.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,12 @@ def test_write_tuning_round_trips(tmp_path, monkeypatch):
             assert {k: ki.tuning()[k] for k in bench.TUNING_NAMES} == written == bench.variant_tuning(v)
     finally:
         ki.set_tuning(**saved)
+
+
+@pytest.mark.skipif(bool(os.environ.get("CPGRAPH_INDEXER_TUNING")), reason="a tuning file replaces the defaults")
+def test_first_variant_is_the_default_tuning():
+    """A run without --sweep times SWEEP[0] as "the default", and --stages cuts it: it must be the tuning in use."""
+    assert bench.variant_tuning(bench.SWEEP[0]) == {k: ki.tuning()[k] for k in bench.TUNING_NAMES}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU exit")
