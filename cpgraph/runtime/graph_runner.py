@@ -103,6 +103,32 @@ def pick_bucket(ladder: Sequence[int], n: int, what: str) -> int:
     raise ValueError(f"graph_runner: {what} {n} exceeds the largest bucket {ladder[-1]}; split the batch or raise the limit")
 
 
+def kv_rows_bound(m: int, p: int, max_requests: int, page_size: int, cp_size: int = 1) -> int:
+    """The most KV-view rows ``N`` a step with ``m`` compute rows and ``p`` cached-prefix rows per rank can have.
+
+    ``N = sum(prefix_i) + sum(ceil(e_i / page) * page)`` (the whole view, the same on every rank).  Each
+    rank holds at most ``p`` prefix rows and ``m`` compute rows, so ``sum(prefix_i) <= cp * p`` and
+    ``sum(e_i) <= cp * m``; each of at most ``min(max_requests, cp * m)`` requests adds under a page of
+    slack.  At ``cp_size == 1``: ``p + m + B * (page - 1)``.
+    """
+    return cp_size * (p + m) + min(max_requests, cp_size * m) * (page_size - 1)
+
+
+def plan_in_buckets(row_buckets: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int], *,
+                    cp_size: int, page_size: int) -> CPPlan:
+    """``plan_prefill`` whose per-rank rows ``M`` are a value of ``row_buckets`` (static padding, ``row_kind == 2``).
+
+    Under CP the gathered coordinates (``rank * M + row``) move with ``M``, so a batch that replays a
+    bucket's graph is planned with the bucket's ``M`` from the start.  The plain plan is kept when its
+    ``M`` already is a bucket (no second planning).
+    """
+    plan = plan_prefill(prefix_lens, extend_lens, cp_size=cp_size, page_size=page_size)
+    if plan.num_rows in row_buckets:
+        return plan
+    rows = pick_bucket(row_buckets, plan.num_rows, "compute rows")
+    return plan_prefill(prefix_lens, extend_lens, cp_size=cp_size, page_size=page_size, row_align=rows)
+
+
 @dataclass(frozen=True)
 class Bucket:
     """Static shapes of one graph: compute rows, KV-view rows, requests, CP size."""
@@ -210,9 +236,11 @@ class GraphRunner:
             if any(b <= a for a, b in zip(lad, lad[1:])) or lad[0] < 1:
                 raise ValueError(f"graph_runner: {name} must be increasing positive ints, got {lad}")
         self.cp_size = int(cp_size)
-        if page_size is not None and (page_size < 1 or self.cp_size != 1):
-            raise ValueError(f"graph_runner: page_size (KV-view rows derived from the other buckets) is for one "
-                             f"device with a positive page size, got page_size={page_size}, cp_size={cp_size}")
+        if self.cp_size < 1:
+            raise ValueError(f"graph_runner: cp_size must be >= 1, got {cp_size}")
+        if page_size is not None and page_size < 1:
+            raise ValueError(f"graph_runner: page_size (KV-view rows derived from the other buckets) must be "
+                             f"positive, got {page_size}")
         self.page_size = page_size
         self.capture = capture
         self.warmup_calls = max(1, int(warmup_calls))
@@ -228,9 +256,7 @@ class GraphRunner:
     # ----------------------------------------------------------------- plan
     def plan(self, prefix_lens: Sequence[int], extend_lens: Sequence[int], page_size: int) -> CPPlan:
         """``plan_prefill`` with ``row_align`` set to the batch's row bucket, so ``M`` is a bucket."""
-        raw = plan_prefill(prefix_lens, extend_lens, cp_size=self.cp_size, page_size=page_size).num_rows
-        rows = pick_bucket(self.row_buckets, raw, "compute rows")
-        return plan_prefill(prefix_lens, extend_lens, cp_size=self.cp_size, page_size=page_size, row_align=rows)
+        return plan_in_buckets(self.row_buckets, prefix_lens, extend_lens, cp_size=self.cp_size, page_size=page_size)
 
     def bucket_for(self, ids: Tensor, meta) -> Bucket:
         m = ids.shape[0]
@@ -252,9 +278,7 @@ class GraphRunner:
         return Bucket(m, pick_bucket(self.kv_buckets, n, "KV-view rows"), p_bucket, self.max_requests, self.cp_size)
 
     def _kv_rows(self, m: int, p: int) -> int:
-        # A step of extends e_i (sum M_raw <= m, at most min(max_requests, m) requests) over page-aligned
-        # prefixes (sum P <= p) has N = P + sum(ceil(e_i / page) * page) <= p + m + B * (page - 1) KV-view rows.
-        return p + m + min(self.max_requests, m) * (self.page_size - 1)
+        return kv_rows_bound(m, p, self.max_requests, self.page_size, self.cp_size)
 
     # ------------------------------------------------------------------ run
     def __call__(self, ids: Tensor, meta) -> Tensor:
@@ -367,16 +391,17 @@ class GraphRunner:
         return len(todo)
 
     def reachable_buckets(self, token_budget: int, page_size: int, max_prefix_tokens: int = 0) -> list[Bucket]:
-        """Every bucket a step of at most ``token_budget`` compute rows and ``max_prefix_tokens`` cached-prefix
-        rows (at most ``max_requests`` requests) can pick, at ``cp_size == 1`` (a superset: some may never occur).
+        """Every bucket a step of at most ``token_budget`` tokens and ``max_prefix_tokens`` cached-prefix rows
+        (at most ``max_requests`` requests) can pick (a superset: some may never occur).
 
-        A step of extends ``e_i`` over page-aligned prefixes ``p_i`` has ``M = sum(e_i)`` rows, ``P = sum(p_i)``
-        and ``N = P + sum(ceil(e_i / page) * page)`` KV-view rows, so ``P + M <= N <= P + M + B * (page - 1)``:
-        several ``N`` buckets per ``(M, P)`` pair, unless the runner derives ``N`` from them (``page_size``),
-        which leaves one bucket per pair.
+        One device: a step of extends ``e_i`` over page-aligned prefixes ``p_i`` has ``M = sum(e_i)`` rows,
+        ``P = sum(p_i)`` and ``N = P + sum(ceil(e_i / page) * page)`` KV-view rows, so
+        ``P + M <= N <= P + M + B * (page - 1)``: several ``N`` buckets per ``(M, P)`` pair, unless the runner
+        derives ``N`` from them (``page_size``), which leaves one bucket per pair.  Under CP ``M`` and ``P`` are
+        one rank's rows, and one rank may hold all of a step's rows (small requests, each inside one chunk)
+        and own all of its prefix pages, so the same ``(M, P)`` ladder applies; ``N`` (the whole view)
+        reaches ``cp * (P + M)`` plus the page slack (:func:`kv_rows_bound`).
         """
-        if self.cp_size != 1:
-            raise ValueError("graph_runner: reachable_buckets is for one device (cp_size == 1)")
         budget = int(token_budget)
         rows = [m for m in self.row_buckets if m < pick_bucket(self.row_buckets, budget, "compute rows")]
         rows.append(pick_bucket(self.row_buckets, budget, "compute rows"))
@@ -399,16 +424,15 @@ class GraphRunner:
         out, m_lo = [], 1
         for m in rows:
             m_hi = min(m, budget)
-            slack = min(self.max_requests, m_hi) * (page_size - 1)
             for p, p_lo, p_hi in prefixes:
                 if self.page_size is not None:
                     out.append(Bucket(m, pick_bucket(self.kv_buckets, self._kv_rows(m, p), "KV-view rows"), p,
-                                      self.max_requests, 1))
+                                      self.max_requests, self.cp_size))
                     continue
-                n_lo, n_hi = p_lo + m_lo, p_hi + m_hi + slack
+                n_lo, n_hi = p_lo + m_lo, kv_rows_bound(m_hi, p_hi, self.max_requests, page_size, self.cp_size)
                 for n in self.kv_buckets:
                     if n >= n_lo:
-                        out.append(Bucket(m, n, p, self.max_requests, 1))
+                        out.append(Bucket(m, n, p, self.max_requests, self.cp_size))
                     if n >= n_hi:
                         break
             m_lo = m + 1
@@ -423,21 +447,30 @@ class GraphRunner:
                 for s in self.stats.values()]  # fmt: skip
 
 
-def graphed_forward(model_forward: Callable, *, max_requests: int, **runner_kw) -> Callable:
-    """A drop-in ``forward(input_ids, meta, mla_pools, index_pools)`` (one device) that replays CUDA graphs.
+def graphed_forward(model_forward: Callable, *, max_requests: int, cp_size: int = 1, **runner_kw) -> Callable:
+    """A drop-in ``forward(input_ids, meta, mla_pools, index_pools)`` that replays CUDA graphs.
 
-    For callers that take a forward function (``run_prefill``, ``CacheEngine``): a
-    :class:`GraphRunner` per set of KV pool tensors (a captured graph binds
-    their addresses, so a new pool gets its own graphs), rows padded to the
-    bucket on load.  Returns a ``ForwardOutput`` holding the logits only;
-    ``return_topk`` / the MTP draft are not captured and raise.  ``page_size``
-    (runner keyword): derive the KV-view bucket from the row and prefix
-    buckets, so the buckets a token budget can form are few enough to warm
-    all of them (:meth:`GraphRunner.reachable_buckets`, ``cpgraph serve``).
+    For callers that take a forward function (``run_prefill``, ``CacheEngine``,
+    ``PrefillEngine``): a :class:`GraphRunner` per set of KV pool tensors (a
+    captured graph binds their addresses, so a new pool gets its own graphs).
+    Returns a ``ForwardOutput`` holding the logits only; ``return_topk`` / the
+    MTP draft are not captured and raise.  ``page_size`` (runner keyword):
+    derive the KV-view bucket from the row and prefix buckets, so the buckets
+    a token budget can form are few enough to warm all of them
+    (:meth:`GraphRunner.reachable_buckets`, ``cpgraph serve``).
+
+    One device: rows are padded to the bucket on load.  Under CP
+    (``cp_size > 1``, ``model_forward`` the CP-compiled forward of this
+    rank) a batch must be planned with its row bucket: the caller plans with
+    ``forward.plan(prefix_lens, extend_lens, page_size)``
+    (:func:`plan_in_buckets`; the :class:`PrefillEngine` does when the
+    forward has it), and every rank of the group replays the same bucket,
+    since the bucket follows from the plan's lengths alone.
     """
     from cpgraph.models.model import ForwardOutput
 
     runners: dict[tuple, GraphRunner] = {}
+    row_buckets = tuple(runner_kw.get("row_buckets") or bucket_ladder(16, DEFAULT_MAX_ROWS, 2))
 
     def forward(input_ids, meta, mla_pools, index_pools, **kw):
         if any(kw.values()):
@@ -446,11 +479,17 @@ def graphed_forward(model_forward: Callable, *, max_requests: int, **runner_kw) 
         runner = runners.get(key)
         if runner is None:
             mla, index = list(mla_pools), list(index_pools)
+            kw_rows = {**runner_kw, "row_buckets": row_buckets}
             runner = runners[key] = GraphRunner(lambda i, m: model_forward(i, m, mla, index).logits,
-                                                max_requests=max_requests, cp_size=1, **runner_kw)  # fmt: skip
+                                                max_requests=max_requests, cp_size=cp_size, **kw_rows)  # fmt: skip
         return ForwardOutput(runner(input_ids, meta), None, None)
 
+    def plan(prefix_lens, extend_lens, page_size: int) -> CPPlan:
+        return plan_in_buckets(row_buckets, prefix_lens, extend_lens, cp_size=cp_size, page_size=page_size)
+
     forward.runners = runners
+    forward.cp_size = cp_size
+    forward.plan = plan
     return forward
 
 

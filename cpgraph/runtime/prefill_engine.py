@@ -174,6 +174,13 @@ class PrefillEngine:
         # (the engine thread blocks instead of holding the GIL).  Under CP every rank commits in its step.
         self.commit_delay = 1e-3
         self._pending: list[_Live] = []  # answered, pages not yet committed (leader, cp_size == 1)
+        # A CP forward over CUDA-graph buckets (``graphed_forward(..., cp_size=cp)``) plans its own batches:
+        # under CP the gathered coordinates move with M, so M must be a row bucket (docs/cuda_graphs.md).
+        # One device keeps the plain plan (the runner pads rows itself; no second planning per step).
+        self._plan_rows = getattr(forward, "plan", None) if cp_size > 1 else None
+        if self._plan_rows is not None and getattr(forward, "cp_size", cp_size) != cp_size:
+            raise ValueError(f"prefill engine: the graphed forward is for cp_size {forward.cp_size}, the engine's "
+                             f"is {cp_size}")
 
     # ---------------------------------------------------------------- public API
     @property
@@ -414,6 +421,36 @@ class PrefillEngine:
             self._apply(("evict",))
             self.stats = self._new_stats()
 
+    def warm_graphs(self, max_prefix_tokens: int | None = None) -> tuple[int, list[str]]:
+        """Leader, idle, after one real step: prepare (compile, and on CUDA capture) every CUDA-graph bucket a
+        step within the token budget can pick, with up to ``max_prefix_tokens`` cached-prefix rows (default:
+        the budget), on padding rows that touch no cache state.  Returns ``(buckets prepared, summaries)``.
+
+        Under CP the preparation runs the forward, whose collectives every rank of the group must join: it
+        is an op, sent to the followers, and every rank warms the same buckets in the same order (the list
+        follows from the configuration alone).  A forward without graph buckets prepares nothing.
+        """
+        if not self.is_leader:
+            raise RuntimeError("PrefillEngine.warm_graphs runs on the leader; the other ranks follow")
+        cfg = self.scheduler.config
+        cap = cfg.token_budget if max_prefix_tokens is None else int(max_prefix_tokens)
+        with self._step_lock:
+            op = ("warm_graphs", cap)
+            if self.cp_size > 1:
+                self._broadcast([op])
+            return self._warm_graphs(cap)
+
+    def _warm_graphs(self, max_prefix_tokens: int) -> tuple[int, list[str]]:
+        runners = getattr(self.cache.forward, "runners", None) or {}
+        budget = self.scheduler.config.token_budget
+        prepared, where = 0, []
+        for runner in runners.values():
+            prepared += runner.warm(runner.reachable_buckets(min(budget, runner.row_buckets[-1]), self.page_size,
+                                                             min(max_prefix_tokens, runner.kv_buckets[-1])))
+            if runner.last_warm is not None and runner.last_warm.count:
+                where.append(runner.last_warm.line())  # forward warm-up vs capture vs gc: where the time goes
+        return prepared, where
+
     def close(self) -> None:
         """Every rank, after the last step (leader: after :meth:`stop_followers`; followers: after
         :meth:`follow` returns): give back the L3 prefetches of requests never admitted, store what L3
@@ -534,10 +571,14 @@ class PrefillEngine:
             self._release(live)
             if live.room is not None and self.transfer is not None:
                 self.transfer.abort(live.room)
+        elif kind == "warm_graphs":
+            self._warm_graphs(*op[1:])
         elif kind == "evict":
             if self._live or self._prefetches:
                 raise RuntimeError("prefill engine: the cache is reset only while no request is admitted or queued")
             self.cache.clear()
+            if not self.is_leader:  # reset_cache zeroes the counters on every rank (the leader's: in reset_cache)
+                self.stats = self._new_stats()
         else:
             raise ValueError(f"prefill engine: unknown op {kind!r}")
 
@@ -613,8 +654,11 @@ class PrefillEngine:
         ps = self.page_size
         debug = debug_enabled()  # read once a step (an environment lookup each time it is called)
         lives = [self._live[rid] for rid, _, _ in chunks]
-        plan = plan_prefill([s for _, s, _ in chunks], [e - s for _, s, e in chunks], cp_size=self.cp_size,
-                            page_size=ps)
+        if self._plan_rows is not None:  # CP over graph buckets: M is a row bucket from the start
+            plan = self._plan_rows([s for _, s, _ in chunks], [e - s for _, s, e in chunks], ps)
+        else:
+            plan = plan_prefill([s for _, s, _ in chunks], [e - s for _, s, e in chunks], cp_size=self.cp_size,
+                                page_size=ps)
         try:
             for j, (live, (_, s, e)) in enumerate(zip(lives, chunks)):
                 owners = chunk_owners(s, e, self.cp_size, ps)  # what the reservation counted
