@@ -113,7 +113,7 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
         if spec.token_budget > DEFAULT_MAX_ROWS:
             raise ValueError(f"--token-budget {spec.token_budget} exceeds the largest row bucket {DEFAULT_MAX_ROWS}")
         # The KV-view bucket follows from the row and prefix buckets: few enough buckets to warm them all.
-        forward = graphed_forward(forward, max_requests=spec.max_batch_requests,
+        forward = graphed_forward(forward, max_requests=spec.max_batch_requests, cp_size=spec.cp,
                                   page_size=spec.page_size if spec.derive_kv_bucket else None)
     engine = PrefillEngine(forward, model, num_pages=spec.num_pages, page_size=spec.page_size,
                            kv_format=spec.kv_format, rank=rank, cp_size=spec.cp, host_pages=spec.host_pages,
@@ -174,14 +174,7 @@ def warm_up(engine, tokens: int, prefix_tokens: int | None = None) -> None:
         run(base + rand(ps + 3))  # a cached prefix and a longer extend (as every chunk after a first)
         if cfg.max_batch_requests >= 2:
             run(base + rand(5), base + rand(7))  # several requests over a cached prefix (P 4 pages, M 12)
-    runners = getattr(engine.cache.forward, "runners", None) or {}
-    prepared, where = 0, []
-    for runner in runners.values():
-        budget = min(cfg.token_budget, runner.row_buckets[-1])
-        cap = cfg.token_budget if prefix_tokens is None else prefix_tokens
-        prepared += runner.warm(runner.reachable_buckets(budget, ps, min(cap, runner.kv_buckets[-1])))
-        if runner.last_warm is not None and runner.last_warm.count:
-            where.append(runner.last_warm.line())  # forward warm-up vs capture vs gc: where the time goes
+    prepared, where = engine.warm_graphs(prefix_tokens)  # every rank of a CP group: an op they follow
     log.info("cpgraph serve: warm-up ran in %.1f s (%d CUDA-graph bucket(s) prepared on padding rows%s)",
              time.perf_counter() - t0, prepared, "".join(f"; {w}" for w in where))
     engine.reset_cache()

@@ -37,23 +37,40 @@ from serve_utils import get, logprob_table, post, post_many  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOL = 2e-5
+GRAPH_PREFIX_CAP = 160  # cached-prefix rows per step the graphed node's warm-up covers (3 x the 48-token prefix)
 
 
-def job_serve_cp(ctx, prompts, port_file, stop_file, **engine_kw):
+def job_serve_cp(ctx, prompts, port_file, stop_file, graphs: bool = False, **engine_kw):
+    """One rank of the cp=2 node.  ``graphs``: the forward goes through ``graphed_forward`` as ``cpgraph serve
+    --cuda-graphs --cp 2`` builds it (buckets, KV view derived from them; no capture on CPU) and the server's
+    warm-up prepares every reachable bucket on both ranks first."""
     from cp_model import compiled_cp, model_pair
 
     from cpgraph.models.prefill import prefill_logits
+    from cpgraph.runtime.graph_runner import graphed_forward
     from cpgraph.runtime.prefill_engine import PrefillEngine
     from cpgraph.runtime.scheduler import SchedulerConfig
     from cpgraph.serve.app import PrefillServer
+    from cpgraph.serve.node import warm_up
 
     _, model = model_pair()
-    engine = PrefillEngine(compiled_cp(ctx, "aot_eager"), model, num_pages=48, page_size=PAGE, rank=ctx.rank,
-                           cp_size=ctx.world_size, scheduler=SchedulerConfig(token_budget=64), **engine_kw)
+    forward = compiled_cp(ctx, "aot_eager")
+    sched = SchedulerConfig(token_budget=64)
+    if graphs:
+        sched = SchedulerConfig(token_budget=64, max_batch_requests=4)
+        forward = graphed_forward(forward, max_requests=4, cp_size=ctx.world_size, page_size=PAGE)
+    engine = PrefillEngine(forward, model, num_pages=48, page_size=PAGE, rank=ctx.rank, cp_size=ctx.world_size,
+                           scheduler=sched, **engine_kw)
     out = {}
     if ctx.rank == 0:
-        server = PrefillServer(engine, served=("cp-model",), heartbeat=1.0).start_background()
-        server.wait_ready()
+        warm = (lambda: warm_up(engine, 16, prefix_tokens=GRAPH_PREFIX_CAP)) if graphs else None
+        server = PrefillServer(engine, served=("cp-model",), heartbeat=1.0, warmup=warm).start_background()
+        try:
+            server.wait_ready()
+        except BaseException as exc:  # the test stops waiting at once; the ranks' error reaches it via result()
+            Path(port_file).write_text(f"failed: {exc}")
+            server.stop()
+            raise
         Path(port_file).write_text(server.url)
         for _ in range(6000):  # bounded: 10 minutes
             if os.path.exists(stop_file):
@@ -65,20 +82,32 @@ def job_serve_cp(ctx, prompts, port_file, stop_file, **engine_kw):
     else:
         engine.follow()
         engine.close()  # as cpgraph serve's followers do: the leader's engine thread closes its own
+    if graphs:
+        (runner,) = forward.runners.values()
+        out["buckets"] = sorted((b.rows, b.kv_rows, b.prefix_rows) for b in runner.stats)
+        out["reachable"] = sorted((b.rows, b.kv_rows, b.prefix_rows)
+                                  for b in runner.reachable_buckets(64, PAGE, GRAPH_PREFIX_CAP))
+        out["bucket_calls"] = sum(s.replays for s in runner.stats.values())
+        out["steps"] = dict(engine.stats.steps)
+        out["cold_steps"] = engine.cold_steps
     out["used"] = engine.cache.device.ledger.used.tolist()
     out["fingerprint"] = engine.cache.tree.fingerprint()
     out["pages_in_pool"] = engine.cache.pool.config.num_pages - engine.cache.pool.num_free
     return out
 
 
-def test_cp2_gloo_server_equals_single_device():
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graph_buckets"])
+def test_cp2_gloo_server_equals_single_device(graphs):
+    """``graph_buckets``: the same node over CUDA-graph buckets (``--cuda-graphs --cp 2``; on CPU the padding
+    and bucket logic without the capture): every step planned in a bucket the warm-up prepared on both ranks,
+    no cold step under load, and the same answers."""
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 512, (48,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (9, 30, 3)]
     prompts.append(torch.randint(0, 512, (150,), generator=g).tolist())  # > the 64-token budget: 3 chunks
     with tempfile.TemporaryDirectory() as tmp:
         port_file, stop_file = os.path.join(tmp, "url"), os.path.join(tmp, "stop")
-        pending = shared_pool(2, CP_TIMEOUT_S).submit(job_serve_cp, prompts, port_file, stop_file)
+        pending = shared_pool(2, CP_TIMEOUT_S).submit(job_serve_cp, prompts, port_file, stop_file, graphs)
         try:
             for _ in range(9000):  # bounded: 15 minutes (the ranks may compile first)
                 if os.path.exists(port_file):
@@ -109,6 +138,15 @@ def test_cp2_gloo_server_equals_single_device():
     for r in range(2):
         assert ranks[r]["pages_in_pool"] == ranks[r]["used"][r]
     assert ranks[0]["outcomes"]["finished"] == 4
+    if graphs:
+        for r in ranks:  # both ranks prepared the same buckets: all the reachable ones, and none under load
+            assert r["buckets"] == r["reachable"] == ranks[0]["reachable"], (r["buckets"], r["reachable"])
+            assert r["cold_steps"] == 0
+        # Every step ran in a bucket (the runner refuses a CP batch whose rows are not one) that was prepared
+        # before /health turned 200: the load's steps went through the runner and prepared nothing.
+        steps = sum(ranks[0]["steps"].values())
+        assert steps >= 4 and ranks[1]["steps"] == ranks[0]["steps"]
+        assert ranks[0]["bucket_calls"] > steps
 
 
 def _serve_once(prompts, bodies, **engine_kw):

@@ -14,7 +14,7 @@ BAD = [
     (["--model", "tiny-glm5", "--token-budget", "8"], "--token-budget must be at least a page"),
     (["--model", "tiny-glm5", "--chunk-tokens", "24"], "--chunk-tokens must be a multiple of the page size"),
     (["--model", "tiny-glm5", "--cp", "2", "--backend", "eager"], "a CP group needs aot_eager or inductor"),
-    (["--model", "tiny-glm5", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs applies to one device on cuda"),
+    (["--model", "tiny-glm5", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs captures on cuda"),
     (["--model", "tiny-glm5", "--num-pages", "0"], "--num-pages must be >= 1"),
 ]
 

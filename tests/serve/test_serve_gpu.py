@@ -59,3 +59,60 @@ def test_cuda_graph_steps_replay_and_match_prefill_logits():
         assert _graph_replays(engine.cache.forward) - replays0 == len(prompts)
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cp2_cuda_graph_server_replays_and_matches_prefill_logits():
+    """``cpgraph serve --cp 2 --cuda-graphs`` on two GPUs (NCCL, Inductor): the warm-up captures every bucket of
+    the budget on both ranks, then every step under load replays a graph (no cold step) and the answers
+    match ``prefill_logits`` on one GPU within ``TOL`` (CP and padded buckets change reduction shapes)."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import make_layout, prefill_logits
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), NCCL_NVLS_ENABLE="0")
+    proc = subprocess.Popen([sys.executable, "-m", "cpgraph", "serve", "--model", "tiny-glm5", "--port", "0",
+                             "--cp", "2", "--device", "cuda", "--backend", "inductor", "--cuda-graphs",
+                             "--page", "16", "--num-pages", "256", "--token-budget", "256",
+                             "--max-batch-requests", "8", "--warmup-prefix-tokens", "0"], cwd=root, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()  # keeps reading: a full stderr pipe would block the ranks
+    try:
+        url, deadline = None, time.monotonic() + 540
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(lines))
+            url = m.group(1) if m else time.sleep(0.2)
+        assert url, "server did not start: " + "".join(lines[-40:])
+        while get(url, "/health")[0] != 200:  # the warm-up compiles and captures on both ranks
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+            time.sleep(0.5)
+        model = from_pretrained("tiny-glm5", device="cuda").eval()
+        model.kv_layout = make_layout(model, "bf16", 16)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 90, 200, 7)]
+        ref = torch.log_softmax(prefill_logits(model, prompts).float().cpu(), -1)
+        for p, r in zip(prompts, ref):
+            status, body = post(url, {"prompt": p, "logprobs": 5})
+            assert status == 200, body
+            choice = body["choices"][0]
+            assert choice["token_ids"] == [int(r.argmax())]
+            for tok, lp in logprob_table(choice).items():
+                assert abs(lp - float(r[tok])) <= TOL, (tok, lp, float(r[tok]))
+        page = get(url, "/metrics")[1]
+        assert metric(page, "cpgraph_steps_total", 'kind="graph"') == len(prompts)
+        assert metric(page, "cpgraph_steps_total", 'kind="eager"') == 0
+        assert metric(page, "cpgraph_cold_steps_total") == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
