@@ -37,6 +37,7 @@ main thread.  Phases, each starting from an empty cache:
    are replayed through the real :class:`~cpgraph.runtime.scheduler.Scheduler` under that cost, and
    through an ideal FIFO server (no steps, no overhead).  What the model cannot reach no scheduling
    can on this hardware; what the run loses beyond the model is server overhead and contention.
+   ``--model-cost FIXED_MS PER_TOKEN_MS`` runs this phase alone under a given fit (no model, no server).
 
 Targets from the issue: overhead <= 1 ms per request at idle; at 0.8 of saturation p99 TTFT <= 3x
 the unloaded TTFT; on a GPU with ``--cuda-graphs``, >= 90% of steady-state steps replay a graph.
@@ -495,6 +496,15 @@ def step_cost(server, lens=(64, 128, 256, 512), repeats: int = 3) -> tuple[float
     return _robust_line(np.asarray(lens, float), np.asarray(best, float))
 
 
+def model_budgets(args) -> list[int]:
+    """The token budgets the queueing model replays: ``--model-budgets``, or the run's budget with a quarter,
+    a half and twice it beside the small ones (64-512), each at least a page."""
+    if args.model_budgets:
+        return sorted({b for b in args.model_budgets if b >= args.page})
+    tb = args.token_budget
+    return sorted({b for b in (64, 128, 256, 512, tb // 4, tb // 2, tb, 2 * tb) if b >= args.page})
+
+
 def queueing_model(trace, cost: tuple[float, float], args, seeds: int = 20) -> dict:
     """The scheduler and an ideal FIFO server under the step cost ``(a, b)`` (module docstring, 4)."""
     from cpgraph.runtime.scheduler import Scheduler, SchedulerConfig, chunk_spans
@@ -547,16 +557,15 @@ def queueing_model(trace, cost: tuple[float, float], args, seeds: int = 20) -> d
 
     unloaded = float(np.percentile(a + b * full, 99))
     out = {"step_ms": {"fixed": a, "per_token": b}, "unloaded_ttft_ms_p99": unloaded, "budgets": {}}
-    for budget in sorted({args.token_budget, 64, 128, 256, 512} - {0}):
-        if budget < args.page:
-            continue
+    for budget in model_budgets(args):
         _, wall = scheduled(np.zeros(len(trace)), budget)
         rate = 0.8 * len(trace) / wall
         ratios = []
         for seed in range(seeds):
             gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(trace))
             ratios.append(float(np.percentile(scheduled(np.cumsum(gaps), budget)[0], 99)) / unloaded)
-        out["budgets"][budget] = {"p99_over_unloaded_p50": float(np.median(ratios)),
+        out["budgets"][budget] = {"saturation_rps": len(trace) / wall * 1e3,
+                                  "p99_over_unloaded_p50": float(np.median(ratios)),
                                   "p99_over_unloaded_p10": float(np.percentile(ratios, 10)),
                                   "p99_over_unloaded_p90": float(np.percentile(ratios, 90))}
     _, wall = scheduled(np.zeros(len(trace)), args.token_budget)
@@ -565,6 +574,17 @@ def queueing_model(trace, cost: tuple[float, float], args, seeds: int = 20) -> d
              / unloaded for s in range(seeds)]
     out["ideal_fifo_p99_over_unloaded_p50"] = float(np.median(ideal))
     return out
+
+
+def print_queueing_model(qm: dict, trace, fit: str = "given") -> None:
+    per_budget = ", ".join(f"budget {k}: {v['p99_over_unloaded_p50']:.2f} ({v['p99_over_unloaded_p10']:.2f}-"
+                           f"{v['p99_over_unloaded_p90']:.2f}), saturation {v['saturation_rps']:.2f} req/s"
+                           for k, v in qm["budgets"].items())
+    lens = [len(p) for p in trace]
+    print(f"queueing model over {len(trace)} requests (prompt p50 {int(np.median(lens))} tokens; step = "
+          f"{qm['step_ms']['fixed']:.2f} ms + {qm['step_ms']['per_token']:.4f} ms/token, {fit}; p99 TTFT at 0.8 x "
+          f"saturation / unloaded p99, median of 20 arrival seeds (p10-p90)): ideal FIFO server "
+          f"{qm['ideal_fifo_p99_over_unloaded_p50']:.2f}; this scheduler: {per_budget}", flush=True)
 
 
 def _load() -> str:
@@ -606,6 +626,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the figures as JSON")
     ap.add_argument("--idle-only", action="store_true", help="the warm-up and the idle-overhead phase only")
+    ap.add_argument("--model-cost", type=float, nargs=2, metavar=("FIXED_MS", "PER_TOKEN_MS"), default=None,
+                    help="only the queueing model (4), under this step cost (a fit from another run's report, "
+                         "'queueing_model.step_ms'): no model, no server, seconds on any machine")
+    ap.add_argument("--model-budgets", type=int, nargs="+", default=None,
+                    help="token budgets the queueing model replays (default: 64-512, and the run's budget with a "
+                         "quarter, a half and twice it)")
     ap.add_argument("--lean-client", nargs=2, metavar=("URL", "ECHO_URL"), help=argparse.SUPPRESS)
     if "--lean-client" in sys.argv:  # the idle phase's out-of-process client (no model, no server)
         a = ap.parse_args()
@@ -614,6 +640,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model_cost is not None:
+        if min(args.model_cost) < 0 or max(args.model_cost) <= 0:
+            ap.error(f"--model-cost takes FIXED_MS >= 0 and PER_TOKEN_MS >= 0, not both 0; got {args.model_cost}")
+        trace = build_trace(args, 1 << 20)
+        qm = queueing_model(trace, tuple(args.model_cost), args)
+        print_queueing_model(qm, trace)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "queueing_model": qm}, indent=1))
+        return
 
     server = build_server(args)
     report = {"args": vars(args), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
@@ -676,11 +711,7 @@ def main() -> None:
             print(f"p99 TTFT at 0.8 x saturation / unloaded p99 TTFT: {ratio:.2f} (target <= 3)")
         server.engine.reset_cache()
         report["queueing_model"] = qm = queueing_model(trace, step_cost(server), args)
-        per_budget = ", ".join(f"budget {k}: {v['p99_over_unloaded_p50']:.2f} ({v['p99_over_unloaded_p10']:.2f}-"
-                               f"{v['p99_over_unloaded_p90']:.2f})" for k, v in qm["budgets"].items())
-        print(f"queueing model (step = {qm['step_ms']['fixed']:.2f} ms + {qm['step_ms']['per_token']:.4f} ms/token, the "
-              f"fastest of 3 direct forwards per length; p99 TTFT at 0.8 x saturation / unloaded p99, median of 20 arrival seeds (p10-p90)): "
-              f"ideal FIFO server {qm['ideal_fifo_p99_over_unloaded_p50']:.2f}; this scheduler: {per_budget}")
+        print_queueing_model(qm, trace, "the fastest of 3 direct forwards per length")
     finally:
         server.stop()
         if args.out:

@@ -36,3 +36,26 @@ def test_idle_phase_reports_each_clients_overheads(tmp_path):
         assert k["overhead_vs_direct_ms_p50"] == pytest.approx(
             k["server_overhead_ms_p50"] - idle["direct_scheduling_overhead_ms_p50"], abs=1e-9)
         assert f"against direct engine calls: {k['overhead_vs_direct_ms_p50']:.3f} ms" in proc.stdout
+
+
+def test_queueing_model_alone_from_a_given_step_cost(tmp_path):
+    """``--model-cost``: only the queueing model, no model or server; the budgets asked for, in order, and a larger
+    budget never saturates lower when every step pays a fixed cost (more tokens share each step's fixed part)."""
+    out = tmp_path / "qm.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--model-cost", "9.6", "0.0059",
+           "--requests", "24", "--page", "64", "--token-budget", "4096", "--model-budgets", "8192", "1024", "4096",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    qm = json.loads(out.read_text())["queueing_model"]
+    assert qm["step_ms"] == {"fixed": 9.6, "per_token": 0.0059}
+    assert list(qm["budgets"]) == ["1024", "4096", "8192"]
+    sat = [qm["budgets"][b]["saturation_rps"] for b in ("1024", "4096", "8192")]
+    assert sat == sorted(sat) and sat[0] < sat[-1], sat
+    for v in qm["budgets"].values():
+        assert v["p99_over_unloaded_p10"] <= v["p99_over_unloaded_p50"] <= v["p99_over_unloaded_p90"]
+    assert "budget 4096:" in proc.stdout and "ideal FIFO server" in proc.stdout
+    bad = subprocess.run(cmd[:2] + ["--model-cost", "0", "0"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--model-cost takes FIXED_MS >= 0" in bad.stderr
