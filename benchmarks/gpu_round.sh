@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# One round of GPU measurements, cut into commands that each fit a lent machine's 10-minute limit.
+#
+# Why a script: GPU machines are lent for short sessions (30 device minutes, one command at a time, no
+# network), so each call must do a lot and leave its logs behind.  The stages below are the runs the
+# open performance targets wait for (docs/performance.md, docs/serve.md); each writes its logs and JSON
+# under $OUT (default ./gpu_out) and keeps going past a failing step, so one broken step costs no rerun.
+#
+#   benchmarks/gpu_round.sh prepare     # this machine, with network: wheels and headers into .whl/ (git-ignored)
+#   benchmarks/gpu_round.sh selection   # GPU: DeepGEMM built in the background; top-k sweep + stage cuts;
+#                                       #      the indexer kernels' GPU tests; the DeepGEMM wheel kept in $OUT
+#   benchmarks/gpu_round.sh forward     # GPU: two V3.2 layers at 32K, compiled, profiled (the targets' run)
+#   benchmarks/gpu_round.sh serve       # GPU: the serving tests and serve_bench, production-shaped
+#   benchmarks/gpu_round.sh cp2         # 2 GPUs: the CP + CUDA-graph tests (graph runner, serve)
+#
+# On the device, carry .whl (and nothing else is needed); a later stage reuses $OUT's DeepGEMM wheel when
+# it is copied back into .whl/ between calls.
+set -uo pipefail
+stage=${1:?"usage: benchmarks/gpu_round.sh prepare|selection|forward|serve|cp2"}
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+WHL=.whl
+# PyPI's file of deepinfer-gemm 2.8.2 (an sdist only: it is built on the GPU machine, against its torch)
+DEEP_GEMM_SDIST=https://files.pythonhosted.org/packages/c3/81/8211cfa3e92b0f5be337116fe15da8a6fa232161899a628fe100d8895fa0/deepinfer_gemm-2.8.2.tar.gz
+SITE=/tmp/cpgraph_site
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+step() {  # step NAME CMD...: run, log to $OUT/NAME.log, report the status, go on
+    local name=$1
+    shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
+    tail -n 25 "$OUT/$name.log"
+    return 0
+}
+
+install_wheels() {
+    mkdir -p "$SITE"
+    if ls $WHL/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target "$SITE" $WHL/*.whl || echo "wheel install failed"
+    fi
+    export PYTHONPATH=$SITE:$PWD
+    python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+}
+
+build_deep_gemm() {  # in the background; the wheel lands in $OUT (and the site) when done
+    if python3 -c 'import deep_gemm' 2>/dev/null || [ ! -f $WHL/deepinfer_gemm-2.8.2.tar.gz ]; then
+        return 0
+    fi
+    (CPATH=$PWD/$WHL/elfinc/usr/include CUDA_HOME=/usr/local/cuda CXX=/usr/bin/g++ CC=/usr/bin/gcc MAX_JOBS=12 \
+        python3 -m pip wheel -q --no-build-isolation --no-deps -w /tmp/dg $WHL/deepinfer_gemm-2.8.2.tar.gz \
+        && cp /tmp/dg/deepgemm-*.whl "$OUT"/ \
+        && python3 -m pip install -q --no-index --no-deps --target "$SITE" /tmp/dg/deepgemm-*.whl) \
+        >"$OUT/deep_gemm_build.log" 2>&1 &
+    DG_PID=$!
+}
+
+case $stage in
+prepare)
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
+    mkdir -p $WHL
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $WHL sgl-flash-mla==1.0.0 expecttest
+    [ -f $WHL/deepinfer_gemm-2.8.2.tar.gz ] || curl -sSfL -o $WHL/deepinfer_gemm-2.8.2.tar.gz "$DEEP_GEMM_SDIST" \
+        || echo "DeepGEMM sdist: download it by hand (docs/kernels.md)"
+    (cd /tmp && apt-get download libdw-dev libelf-dev) && mkdir -p $WHL/elfinc \
+        && for deb in /tmp/libdw-dev_*.deb /tmp/libelf-dev_*.deb; do dpkg -x "$deb" $WHL/elfinc; done
+    du -sh $WHL
+    ;;
+selection)
+    install_wheels
+    build_deep_gemm
+    step topk_sweep python3 benchmarks/topk_select_bench.py --sweep --stages --json "$OUT/topk.json" \
+        --write-tuning "$OUT/tuning.json"
+    step indexer_gpu_tests python3 -m pytest -q -m gpu tests/kernels/test_indexer_kernels.py -p no:cacheprovider
+    step sass_loops python3 benchmarks/sass_loops.py
+    [ -n "${DG_PID:-}" ] && { wait "$DG_PID"; echo "DeepGEMM build: exit $?"; tail -n 5 "$OUT/deep_gemm_build.log"; }
+    ;;
+forward)
+    install_wheels
+    TUNE=()
+    [ -f $WHL/tuning.json ] && TUNE=(env CPGRAPH_INDEXER_TUNING=$WHL/tuning.json)
+    step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
+        --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --json "$OUT/production_32k.json"
+    ;;
+serve)
+    install_wheels
+    step serve_gpu_tests python3 -m pytest -q -m gpu tests/serve tests/runtime/test_graph_runner.py -p no:cacheprovider
+    step serve_bench_production python3 benchmarks/serve_bench.py --device cuda --model production \
+        --backend inductor --cuda-graphs --page 64 --num-pages 4096 --token-budget 4096 --requests 64 --idle 8 \
+        --rates 0.8 --out "$OUT/serve_production.json"
+    ;;
+cp2)
+    install_wheels
+    step cp2_tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/serve/test_serve_gpu.py::test_cp2_cuda_graph_server_replays_and_matches_prefill_logits \
+        tests/runtime/test_bucket_padding_cp.py::test_cuda_capture_pads_a_cached_prefix_under_cp
+    ;;
+*)
+    echo "unknown stage $stage (prepare|selection|forward|serve|cp2)" >&2
+    exit 2
+    ;;
+esac
