@@ -515,10 +515,15 @@ class CacheEngine:
                 for h in loads:
                     h.wait_layer(layer)
 
+            bucket_plan = getattr(self.forward, "plan", None) if self.cp_size > 1 else None
+
             def run(idx, spans, **kw):
                 """One forward over request ``idx[j]``'s tokens ``spans[j]`` (an extend over all pages before it)."""
-                plan = plan_prefill([s for s, _ in spans], [e - s for s, e in spans], cp_size=self.cp_size,
-                                    page_size=ps)
+                prefix_lens, extend_lens = [s for s, _ in spans], [e - s for s, e in spans]
+                if bucket_plan is not None:  # a CP graphed_forward: M must be one of its row buckets
+                    plan = bucket_plan(prefix_lens, extend_lens, ps)
+                else:
+                    plan = plan_prefill(prefix_lens, extend_lens, cp_size=self.cp_size, page_size=ps)
                 for j, (i, (s, e)) in enumerate(zip(idx, spans)):
                     own = np.asarray(plan.page_owners(j), dtype=np.int64)
                     pages = self.alloc(own)

@@ -48,15 +48,21 @@ def _owner_check(engine, rank):
             assert np.array_equal(node.device_pages >= 0, node.page_owners == rank), f"rank {rank}: {node}"
 
 
-def job_cache(ctx, layout):
+def job_cache(ctx, layout, graphs=False):
+    """``graphs``: the forward is a CP ``graphed_forward`` (row buckets; no capture on CPU), so every pass is
+    planned in a row bucket and padded to its KV buckets."""
     from cp_model import compiled_cp, eager_forward, model_pair
 
     from cpgraph.runtime.cache_engine import CacheEngine
     from cpgraph.runtime.engine import run_prefill
+    from cpgraph.runtime.graph_runner import graphed_forward
     from cpgraph.runtime.radix import check_consistent
 
     _, model = model_pair()
-    eng = CacheEngine(compiled_cp(ctx, "aot_eager"), model, num_pages=24, page_size=PAGE, rank=ctx.rank,
+    forward = compiled_cp(ctx, "aot_eager")
+    if graphs:
+        forward = graphed_forward(forward, max_requests=4, cp_size=ctx.world_size, page_size=PAGE)
+    eng = CacheEngine(forward, model, num_pages=24, page_size=PAGE, rank=ctx.rank,
                       cp_size=ctx.world_size, host_pages=24, host_layout=layout, write_policy="write_back")
     first, second = _prompts()
     out = {}
@@ -81,6 +87,10 @@ def job_cache(ctx, layout):
     out["stats"] = dict(eng.hicache.stats)
     out["owned_in_tree"] = sum(int((n.device_pages >= 0).sum()) for n in eng.tree.nodes() if n.on_device)
     out["lane_used"] = int(eng.device.ledger.used[ctx.rank])
+    if graphs:
+        (runner,) = forward.runners.values()
+        out["bucket_rows"] = sorted({b.rows for b in runner.stats})
+        out["bucket_calls"] = sum(st.replays for st in runner.stats.values())
     if ctx.rank == 0:
         eager = eager_forward()
         out["ref_first"] = run_prefill(eager, model, first, page_size=PAGE).logits.numpy()
@@ -93,9 +103,10 @@ def teardown_module(module):
     close_shared_pools(CP_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("world,layout", [(2, "layer_page_first"), (4, "page_first")])
-def test_cache_hit_cp_equals_single_device(world, layout):
-    results = shared_pool(world, CP_TIMEOUT_S).run(job_cache, layout)
+@pytest.mark.parametrize("world,layout,graphs", [(2, "layer_page_first", False), (4, "page_first", False),
+                                                 (2, "page_first", True)])
+def test_cache_hit_cp_equals_single_device(world, layout, graphs):
+    results = shared_pool(world, CP_TIMEOUT_S).run(job_cache, layout, graphs)
     r0 = results[0]
     for r in results[1:]:  # every rank returns the same logits and the same hit accounting
         for name in ("cold", "device", "host", "extend"):
@@ -111,6 +122,10 @@ def test_cache_hit_cp_equals_single_device(world, layout):
     np.testing.assert_allclose(r0["extend"]["logits"], r0["ref_second"], rtol=0, atol=1e-5)
     for r in results:  # no leaked pages: a rank's lane holds exactly the owned pages the tree references
         assert r["lane_used"] == r["owned_in_tree"]
+    if graphs:  # every pass went through the runner, in row buckets (16, 24, 32, ...: never the raw rows)
+        from cpgraph.runtime.graph_runner import bucket_ladder
+
+        assert r0["bucket_calls"] >= 4 and set(r0["bucket_rows"]) <= set(bucket_ladder(16, 8192, 2)), r0
     bitwise = {n: bool(np.array_equal(r0[n]["logits"], cold)) for n in ("device", "host")}
     print(f"\ncp={world} {layout}: step seconds {r0['times']}; warm passes bit-identical to cold: {bitwise}; stats {r0['stats']}")
 
