@@ -9,7 +9,8 @@
 #   benchmarks/gpu_round.sh prepare     # this machine, with network: wheels and headers into .whl/ (git-ignored)
 #   benchmarks/gpu_round.sh selection   # GPU: DeepGEMM built in the background; top-k sweep + stage cuts;
 #                                       #      the indexer kernels' GPU tests; the DeepGEMM wheel kept in $OUT
-#   benchmarks/gpu_round.sh forward     # GPU: two V3.2 layers at 32K, compiled, profiled (the targets' run)
+#   benchmarks/gpu_round.sh forward     # GPU: two V3.2 layers at 32K, compiled, profiled (the targets' run);
+#                                       #      FP8 linears at M = 4096 and 32768, DeepGEMM, SwiGLU benches
 #   benchmarks/gpu_round.sh serve       # GPU: the serving tests and serve_bench, production-shaped
 #   benchmarks/gpu_round.sh cp2         # 2 GPUs: the CP + CUDA-graph tests (graph runner, serve)
 #
@@ -86,6 +87,10 @@ forward)
     [ -f $WHL/tuning.json ] && TUNE=(env CPGRAPH_INDEXER_TUNING=$WHL/tuning.json)
     step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
         --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --json "$OUT/production_32k.json"
+    # The dense FP8 linears' target at M = 4096 (and 32768 beside it), DeepGEMM's kernels and the fused SwiGLU
+    step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --check --json "$OUT/fp8_linear.json"
+    step deep_gemm python3 benchmarks/deep_gemm_bench.py --json "$OUT/deep_gemm.json"
+    step swiglu python3 benchmarks/swiglu_bench.py --json "$OUT/swiglu.json"
     ;;
 serve)
     install_wheels
