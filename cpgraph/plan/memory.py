@@ -385,23 +385,182 @@ def _swiglu(t: _Tape, R: int, hidden: int, inner: int, a: int, name: str) -> Non
     t.free("prod")
 
 
-def _grouped_experts(t: _Tape, rows: int, k: int, H: int, im: int, a: int) -> None:
-    """``moe_experts``'s grouped provider over ``rows`` rows of ``k`` routes; leaves ``experts`` ``[rows, H]``."""
-    pairs = rows * k
-    t.alloc("plan", 2 * 8 * pairs)  # order, slot_pos (int64)
-    t.alloc("order_rows", 8 * pairs)
-    t.alloc("xs", pairs * H * a)
-    t.free("order_rows")
-    t.alloc("h", pairs * 2 * im * a)
-    t.alloc("silu", pairs * im * a)
-    t.alloc("act", pairs * im * a)
-    t.free("silu")
-    t.alloc("y", pairs * H * a)
-    t.alloc("experts", rows * H * a)  # the weighted combine
-    t.free("plan", "xs", "h", "act", "y")
+# ----------------------------------------------------------------------------- routed experts, per provider
+
+# The implementations of ``cpgraph::moe_experts`` as its provider report names them (``cpgraph.ops.providers``):
+# ``reference`` the dense torch form; ``triton`` the grouped path of ``kernels/moe.py`` (bf16 ``torch._grouped_mm``
+# with the Triton SwiGLU, or FP8 ``kernels/fp8_grouped.py``; in the deterministic mode the Triton provider of
+# ``cpgraph::invariant_moe_experts``); ``deep_gemm`` the padded layout of ``kernels/deep_gemm_experts.py``.
+EXPERTS_PROVIDERS = ("reference", "triton", "deep_gemm")
+DEEP_GEMM_ALIGN = 128  # kernels/deep_gemm_experts.ALIGN: every expert's rows start on a 128-row boundary (SM90)
+TMA_ALIGN_FP32 = 4  # DeepGEMM's TMA-aligned MN extent of fp32 scales: 16 bytes
 
 
-def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int, split: bool) -> int:
+def default_experts_provider(cfg, dtype: str = "bf16", deterministic: bool = False) -> str:
+    """The ``cpgraph::moe_experts`` implementation that computes by default on an SM90 GPU with DeepGEMM installed.
+
+    As ``kernels/moe.py`` chooses per call: FP8 experts take DeepGEMM where its
+    operand rules hold (``H`` and ``I`` multiples of 128; the plan's weight
+    blocks are 128 x 128), else the Triton grouped FP8 GEMM; bf16 experts take
+    ``torch._grouped_mm`` (``CPGRAPH_BF16_EXPERTS=auto``) where the rows are
+    16-byte aligned, else the dense reference, as fp16 and fp32 experts do
+    (``torch._grouped_mm`` takes bf16 on CUDA).  In the deterministic mode
+    the experts are ``cpgraph::invariant_moe_experts``' Triton provider.
+    A machine without DeepGEMM runs FP8 experts as ``triton``: pass it.
+    """
+    H, two_i = cfg.hidden_size, 2 * cfg.moe_intermediate_size
+    if deterministic:
+        return "triton"
+    if dtype == "fp8":
+        return "deep_gemm" if H % 128 == 0 and two_i % 256 == 0 else "triton"
+    if dtype in ("bf16", "bfloat16") and H % 8 == 0 and two_i % 16 == 0:
+        return "triton"
+    return "reference"
+
+
+def _check_experts_provider(cfg, provider: str | None, dtype: str, deterministic: bool) -> str:
+    """``provider`` (``None``: the default) if that code can compute these experts; else ValueError."""
+    if provider is None:
+        return default_experts_provider(cfg, dtype, deterministic)
+    if provider not in EXPERTS_PROVIDERS:
+        raise ValueError(f"plan_memory: argument 'experts_provider' must be one of {', '.join(EXPERTS_PROVIDERS)}, "
+                         f"got {provider!r}")
+    H, two_i = cfg.hidden_size, 2 * cfg.moe_intermediate_size
+    why = None
+    if provider == "reference" and dtype == "fp8":
+        why = "the dense FP8 reference (one expert at a time, fp32 copies) is not modelled"
+    elif provider in ("reference", "deep_gemm") and deterministic:
+        why = "the deterministic mode computes the experts as cpgraph::invariant_moe_experts (provider 'triton')"
+    elif provider == "triton" and not deterministic and dtype not in ("bf16", "bfloat16", "fp8"):
+        why = f"{dtype} experts run the reference on CUDA (torch._grouped_mm takes bf16)"
+    elif provider == "deep_gemm" and (dtype not in ("bf16", "bfloat16", "fp8") or H % 128 or two_i % 256):
+        why = f"DeepGEMM takes bf16 activations with H and I multiples of 128, not {dtype} H={H}, 2I={two_i}"
+    if why is not None:
+        raise ValueError(f"plan_memory: argument 'experts_provider' {provider!r} does not apply: {why}")
+    return provider
+
+
+def _dispatch_plan(t: _Tape, pairs: int, experts: int) -> None:
+    """``dispatch_plan``'s outputs: ``order`` and ``slot_pos`` int64 ``[pairs]``, ``group_ends`` int32 ``[E]``.
+
+    Its sort keys and masks (about 40 bytes a pair) die inside it, before the first row buffer.
+    """
+    t.alloc("experts.order", 8 * pairs)
+    t.alloc("experts.group_ends", 4 * experts)
+    t.alloc("experts.slot_pos", 8 * pairs)
+
+
+def _routed_experts(t: _Tape, provider: str, rows: int, k: int, experts: int, H: int, im: int, a: int, fp8: bool,
+                    deterministic: bool) -> None:
+    """One ``cpgraph::moe_experts`` call of ``rows`` rows, ``k`` routes, ``experts`` local experts; leaves ``experts``.
+
+    Each branch follows its implementation's body line by line (its locals
+    live until it returns; ``C = rows * k`` is the static dispatch capacity,
+    whatever the routing).  Its buffers are booked as ``experts.*``, apart
+    from the layer's own names (the MLP's normed input ``h`` stays live).
+    ``a``: bytes of an activation value (``x``'s dtype).
+    """
+    C = rows * k
+    s_h, s_i = -(-H // FP8_SCALE_BLOCK), -(-im // FP8_SCALE_BLOCK)  # fp32 activation scales per row (block_k 128)
+    if provider == "reference":  # ops/moe.py moe_experts_reference: every expert on every row
+        t.alloc("experts.routed", C)  # bool [rows, k]
+        t.alloc("experts.safe_ids", 8 * C)
+        t.alloc("experts.w", 4 * C)
+        t.alloc("experts.combine.zeros", 4 * rows * experts)
+        t.alloc("experts.combine", 4 * rows * experts)  # .scatter_add (out of place)
+        t.free("experts.combine.zeros")
+        t.alloc("experts.h", experts * rows * 2 * im * a)  # einsum -> [E, rows, 2I]
+        t.alloc("experts.silu", experts * rows * im * a)
+        t.alloc("experts.act", experts * rows * im * a)
+        t.free("experts.silu")
+        t.alloc("experts.y", experts * rows * H * a)  # einsum -> [E, rows, H]
+        t.free("experts.act")  # a temporary argument of the einsum
+        if a != 4:
+            t.alloc("experts.combine.cast", a * rows * experts)  # combine.to(y.dtype)
+        t.alloc("experts", rows * H * a)
+    elif provider == "deep_gemm":  # kernels/deep_gemm_experts.py: rows padded per expert to DEEP_GEMM_ALIGN
+        P = C + DEEP_GEMM_ALIGN * experts  # padded_layout's size: covers every routing
+        _dispatch_plan(t, C, experts)  # _padded_dispatch, line by line; its plan and positions die when it returns
+        t.alloc("experts.psum", 4 * experts)  # padded_layout (its per-expert sums and per-row lookups die inside it)
+        t.alloc("experts.pos", 8 * C)
+        t.alloc("experts.token.src", 8 * C)  # plan.order // k, _inverse's argument
+        t.alloc("experts.token", 8 * (P + 1))  # _inverse: torch.full((P + 1,), -1), viewed as [P]
+        t.free("experts.token.src")
+        t.alloc("experts.slot.used", C)  # torch.where(slot >= 0, pos[slot.clamp(min=0)], slot)
+        t.alloc("experts.slot.clamp", 8 * C)
+        t.alloc("experts.slot.pos", 8 * C)
+        t.alloc("experts.slot_rows", 8 * C)
+        t.free("experts.slot.used", "experts.slot.clamp", "experts.slot.pos")
+        t.free("experts.order", "experts.group_ends", "experts.slot_pos", "experts.pos")  # _padded_dispatch returns
+        if fp8:
+            t.alloc("experts.xq", rows * H)  # quantize_activations: e4m3 + fp32 scales per 128
+            t.alloc("experts.xs", 4 * rows * s_h)
+            t.alloc("experts.a", P * H)  # take_rows into the padded layout (DeepGEMM's TMA reads rows in place)
+            t.alloc("experts.a_s", 4 * P * s_h)
+            t.alloc("experts.h", P * 2 * im * a)
+            # DeepGEMM (SM90) copies the K-major activation scales into an MN-major, TMA-aligned tensor for
+            # the call (transform_sf_into_required_layout); the 128 x 128 weight scales are used as they are.
+            t.alloc("experts.sfa", 4 * s_h * -(-P // TMA_ALIGN_FP32) * TMA_ALIGN_FP32)
+            t.free("experts.sfa")
+            t.alloc("experts.aq", P * im)  # swiglu_quantize
+            t.alloc("experts.aq_s", 4 * P * s_i)
+            t.alloc("experts.y", P * H * a)
+            t.alloc("experts.sfa", 4 * s_i * -(-P // TMA_ALIGN_FP32) * TMA_ALIGN_FP32)
+            t.free("experts.sfa")
+        else:
+            t.alloc("experts.xs", P * H * a)  # take_rows
+            t.alloc("experts.h", P * 2 * im * a)
+            t.alloc("experts.act", P * im * a)  # Triton swiglu
+            t.alloc("experts.y", P * H * a)
+        t.alloc("experts", rows * H * a)  # Triton combine
+    elif fp8:  # kernels/fp8_grouped.py (and invariant_gemm.py's FP8 form): the GEMM gathers rows itself
+        _dispatch_plan(t, C, experts)
+        if deterministic:
+            t.alloc("experts.src", 8 * C)  # invariant_moe_experts takes order // k before it quantises
+        t.alloc("experts.xq", rows * H)  # quantize_activations: e4m3 + fp32 scales per 128
+        t.alloc("experts.xs", 4 * rows * s_h)
+        if not deterministic:
+            t.alloc("experts.src", 8 * C)  # order // k
+        t.alloc("experts.h", C * 2 * im * a)
+        t.alloc("experts.aq", C * im)  # swiglu_quantize: e4m3 + fp32 scales, one pass (no bf16 SwiGLU output)
+        t.alloc("experts.aq_s", 4 * C * s_i)
+        t.alloc("experts.y", C * H * a)
+        t.alloc("experts", rows * H * a)
+    elif deterministic:  # kernels/invariant_gemm.py invariant_moe_experts, bf16: eager silu(gate) * up
+        _dispatch_plan(t, C, experts)
+        t.alloc("experts.src", 8 * C)
+        t.alloc("experts.h", C * 2 * im * a)  # grouped_matmul gathers x's rows itself
+        t.alloc("experts.silu", C * im * a)
+        t.alloc("experts.act", C * im * a)
+        t.free("experts.silu")
+        t.alloc("experts.y", C * H * a)
+        t.free("experts.act")  # a temporary argument of grouped_matmul
+        t.alloc("experts", rows * H * a)
+    else:  # ops/moe.py moe_experts_grouped as kernels/moe.py calls it on CUDA
+        _dispatch_plan(t, C, experts)
+        t.alloc("experts.src", 8 * C)
+        t.alloc("experts.xs", C * H * a)  # take_rows (Triton row mover)
+        t.alloc("experts.h", C * 2 * im * a)  # torch._grouped_mm
+        t.alloc("experts.act", C * im * a)  # Triton swiglu: one output, no silu copy
+        t.alloc("experts.y", C * H * a)
+        t.alloc("experts", rows * H * a)  # Triton combine
+    t.free(*[name for name in t._live if name.startswith("experts.")])  # the call's locals die when it returns
+
+
+def experts_bytes(provider: str, rows: int, top_k: int, experts: int, hidden: int, inner: int, *, dtype: str = "bf16",
+                  deterministic: bool = False) -> int:
+    """Most bytes one ``cpgraph::moe_experts`` call has live at once (its output included), as the plan books them.
+
+    ``experts``: the experts the call holds (``E / ep``); ``inner``: ``moe_intermediate_size``.
+    """
+    t = _Tape()
+    _routed_experts(t, provider, rows, top_k, experts, hidden, inner, _act_bytes(dtype), dtype == "fp8",
+                    deterministic)
+    return t.peak
+
+
+def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int, split: bool, provider: str = "triton",
+               fp8: bool = False, deterministic: bool = False) -> int:
     """Peak of a layer's MLP half above the base: ``attn``, ``x + attn``, its norm and the live top-k stay."""
     H, E, k, im = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     t = _Tape()
@@ -420,7 +579,7 @@ def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int, split
         t.alloc("topk_w", 4 * R * k)
         t.free("router.scores", "router.choice")
         if ep == 1:
-            _grouped_experts(t, R, k, H, im, a)
+            _routed_experts(t, provider, R, k, E, H, im, a, fp8, deterministic)
         else:
             # The expert-parallel reference (moe_dispatch / moe_combine decomposed): static capacity,
             # n = ep * R * min(k, E / ep) wire rows whatever the routing.
@@ -430,7 +589,7 @@ def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int, split
             t.alloc("ep.wire", n * H * a)
             t.alloc("ep.recv", n * H * a)
             t.free("ep.send", "ep.wire")
-            _grouped_experts(t, n, 1, H, im, a)
+            _routed_experts(t, provider, n, 1, E // ep, H, im, a, fp8, deterministic)  # the local experts
             t.free("ep.recv")
             t.alloc("ep.back_wire", n * H * a)
             t.alloc("ep.back", n * H * a)
@@ -449,7 +608,7 @@ def _mlp_layer(cfg, R: int, a: int, sparse: bool, topk_live: int, ep: int, split
 def activation_phases(cfg: "DSAConfig", rows: int, keys: int, *, dtype: str = "bf16", kv_format: str = "bf16",
                       index_format: str | None = None, ep: int = 1,
                       max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES,
-                      deterministic: bool = False) -> tuple[int, dict[str, int]]:
+                      deterministic: bool = False, experts_provider: str | None = None) -> tuple[int, dict[str, int]]:
     """``(base, {phase: bytes})`` of one eager forward of ``rows`` rows per rank against ``keys`` full-view keys.
 
     ``base`` is live through every phase: the residual rows ``x``, the RoPE
@@ -459,25 +618,36 @@ def activation_phases(cfg: "DSAConfig", rows: int, keys: int, *, dtype: str = "b
     layer's top-k, the attention output and residual sums).  The replay
     follows cpgraph's eager GPU forward with the CUDA default providers
     (Triton indexer scores/top-k -- chunked in both index-K formats -- and
-    sparse MLA, grouped-GEMM MoE, torch Hadamard and FP8 query quantisation); ``docs/launch.md`` lists what
-    each phase holds and ``benchmarks/memory_check.py`` measures it.
+    sparse MLA, torch Hadamard and FP8 query quantisation) and the routed
+    experts of ``experts_provider``; ``docs/launch.md`` lists what each phase
+    holds and ``benchmarks/memory_check.py`` measures it.
 
     * ``attention``: MLA queries and the KV view, then the indexer up to its top-k;
     * ``sparse_mla``: the same locals plus the top-k, the latent output and the value projection;
     * ``dense_mlp`` / ``moe``: the MLP half of a dense / MoE layer (router,
-      grouped expert buffers; with ``ep > 1`` the static-capacity dispatch
+      the routed experts' buffers; with ``ep > 1`` the static-capacity dispatch
       and combine buffers of ``ep * rows * min(top_k, E / ep)`` rows).
+
+    ``experts_provider``: the ``cpgraph::moe_experts`` implementation booked,
+    by its provider-report name (:data:`EXPERTS_PROVIDERS`; ``None``:
+    :func:`default_experts_provider`): ``reference`` the dense form (every
+    expert on every row), ``triton`` the grouped path (bf16
+    ``torch._grouped_mm`` with the fused Triton SwiGLU, or the Triton FP8
+    grouped GEMM), ``deep_gemm`` DeepGEMM's layout (each expert's rows padded
+    to 128, FP8 codes and scales gathered into it); see :func:`_routed_experts`.
 
     ``deterministic``: the forward runs inside the deterministic mode
     (``CPConfig(deterministic=True)``).  What it changes here is the fp32
     products of the router and the indexer's ``weights_proj``: outside it,
     bf16 activations multiply as one bf16 split GEMM with no fp32 copy of
     ``x``; inside it (as with fp16 activations) ``x`` is upcast first
-    (:func:`_fp32_product`).  The mode's other kernels (its grouped experts
-    and GEMMs) are booked as the default providers'.
+    (:func:`_fp32_product`), and its experts are ``cpgraph::invariant_moe_experts``'
+    (bf16: the GEMM gathers the rows, an eager ``silu(gate) * up``).  The
+    mode's other GEMMs are booked as the default providers'.
     """
     a = _act_bytes(dtype)
     split = _split_fp32_products(dtype, deterministic)
+    provider = _check_experts_provider(cfg, experts_provider, dtype, deterministic)
     index_format = index_format or kv_format
     R, N = rows, keys
     H, L = cfg.hidden_size, cfg.num_hidden_layers
@@ -490,7 +660,8 @@ def activation_phases(cfg: "DSAConfig", rows: int, keys: int, *, dtype: str = "b
     for kind, name in (("dense", "dense_mlp"), ("sparse", "moe")):
         live = {(i > 0) + own[i] for i in range(L) if cfg.mlp_layer_types[i] == kind}
         if live:
-            phases[name] = max(_mlp_layer(cfg, R, a, kind == "sparse", n, ep, split) for n in live)
+            phases[name] = max(_mlp_layer(cfg, R, a, kind == "sparse", n, ep, split, provider, dtype == "fp8",
+                                          deterministic) for n in live)
     return base, phases
 
 
@@ -518,6 +689,7 @@ class MemoryPlan:
     activation_base: int
     activation_phases: dict[str, int] = field(default_factory=dict)
     deterministic: bool = False  # the activations are those of a forward in the deterministic mode
+    experts_provider: str = "triton"  # the cpgraph::moe_experts implementation booked (EXPERTS_PROVIDERS)
 
     @property
     def weight_bytes(self) -> int:
@@ -554,7 +726,8 @@ class MemoryPlan:
 
 def plan_memory(cfg: "DSAConfig", *, tokens: int, cp: int = 1, ep: int = 1, row_bucket: int | None = None,
                 dtype: str = "bf16", kv_format: str = "bf16", index_format: str | None = None, page_size: int = 64,
-                max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES, deterministic: bool = False) -> MemoryPlan:
+                max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES, deterministic: bool = False,
+                experts_provider: str | None = None) -> MemoryPlan:
     """The per-rank memory plan of prefilling one request of ``tokens`` tokens on a CP group of ``cp`` ranks.
 
     ``row_bucket``: rows per rank of one forward (a chunked prefill, or the
@@ -563,6 +736,9 @@ def plan_memory(cfg: "DSAConfig", *, tokens: int, cp: int = 1, ep: int = 1, row_
     those of the last such forward, which sees every key of the context.
     ``deterministic``: that forward runs in the deterministic mode (see
     :func:`activation_phases`: the fp32 products then copy ``x`` to fp32).
+    ``experts_provider``: the routed experts' implementation, ``reference``,
+    ``triton`` or ``deep_gemm`` (default: what runs on an SM90 GPU with
+    DeepGEMM installed, :func:`default_experts_provider`).
     Raises ``ValueError`` (one line, naming the argument) on bad input.
     """
     tokens = _check_int("tokens", tokens)
@@ -580,13 +756,17 @@ def plan_memory(cfg: "DSAConfig", *, tokens: int, cp: int = 1, ep: int = 1, row_
     keys = pages_total * page_size
     kv_tok = kv_bytes_per_token(cfg, kv_format, index_format, dtype)
     ep = _check_int("ep", ep)
+    _act_bytes(dtype)  # a bad dtype is named before the provider is checked against it
+    provider = _check_experts_provider(cfg, experts_provider, dtype, bool(deterministic))
     base, phases = activation_phases(cfg, rows, keys, dtype=dtype, kv_format=kv_format, index_format=index_format,
-                                     ep=ep, max_logits_bytes=max_logits_bytes, deterministic=bool(deterministic))
+                                     ep=ep, max_logits_bytes=max_logits_bytes, deterministic=bool(deterministic),
+                                     experts_provider=provider)
     return MemoryPlan(
         model_type=cfg.model_type, cp=cp, ep=ep, tokens=tokens, rows=rows, keys=keys, page_size=page_size,
         dtype=dtype, kv_format=kv_format, index_format=index_format or kv_format,
         weights=weight_bytes(cfg, dtype, ep), kv_per_token=kv_tok, pages_per_rank=pages_rank,
         pages_total=pages_total, activation_base=base, activation_phases=phases, deterministic=bool(deterministic),
+        experts_provider=provider,
     )
 
 
@@ -617,8 +797,8 @@ def render_memory(plan: MemoryPlan) -> str:
     lines += ["", f"KV cache: {p.kv_per_token['mla']} B/token MLA + {p.kv_per_token['index']} B/token index-K "
                   f"= {per_tok} B/token (all layers); owner-sharded, {p.pages_per_rank} of {p.pages_total} pages",
               row("owned", p.kv_bytes), row("if replicated", p.kv_replicated_bytes),
-              "", f"activations: one forward of {p.rows} rows per rank against {p.keys} keys"
-                  + (" (deterministic mode)" if p.deterministic else "")]
+              "", f"activations: one forward of {p.rows} rows per rank against {p.keys} keys, routed experts "
+                  f"{p.experts_provider}" + (" (deterministic mode)" if p.deterministic else "")]
     lines.append(row("base", p.activation_base))
     for name, b in p.activation_phases.items():
         lines.append(row("+ " + name, b, "  <- peak" if name == p.peak_phase else ""))

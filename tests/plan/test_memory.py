@@ -176,8 +176,9 @@ def test_indexer_scores_are_chunked(kv_format):
 def test_moe_and_mlp_phases_scale_with_the_row_bucket():
     cfg = _cfg(GLM5)
     a, b = (mem.plan_memory(cfg, tokens=131072, cp=8, row_bucket=r) for r in (2048, 4096))
-    for phase in ("moe", "dense_mlp"):
-        assert b.activation_phases[phase] == 2 * a.activation_phases[phase]
+    assert b.activation_phases["dense_mlp"] == 2 * a.activation_phases["dense_mlp"]
+    # ... all but the experts' group ends (int32 [E]), whatever the rows
+    assert b.activation_phases["moe"] == 2 * a.activation_phases["moe"] - mem._block(4 * cfg.n_routed_experts)
     assert b.activation_base == 2 * a.activation_base
 
 
@@ -321,8 +322,9 @@ def test_fp32_products_book_the_copy_of_x_only_where_it_exists(monkeypatch):
     deterministic mode, where ``x`` is upcast; the two replays differ by exactly that copy and the split's buffers."""
     cfg = _cfg(DEEPSEEK_V32)
     R, H, E, hi = 4096, 7168, 256, 64
-    fast = _bookings(monkeypatch, cfg, dtype="bf16")
-    det = _bookings(monkeypatch, cfg, dtype="bf16", deterministic=True)
+    # the mode's routed experts are their own provider's (tests/plan/test_memory_experts.py): left out here
+    fast, det = ({k: v for k, v in _bookings(monkeypatch, cfg, dtype="bf16", deterministic=d).items()
+                  if not k.startswith("experts.")} for d in (False, True))
     # V3.2 replays two attention-layer kinds (the first layer, the later ones) and one MoE layer kind
     only_det = {k: v for k, v in det.items() if k not in fast}
     assert only_det == {"w.proj.x32": 2 * mem._block(4 * R * H), "router.logits.x32": mem._block(4 * R * H)}
@@ -336,7 +338,7 @@ def test_fp32_products_book_the_copy_of_x_only_where_it_exists(monkeypatch):
     assert not any(k.endswith(".x32") for k in _bookings(monkeypatch, cfg, dtype="fp8"))
     assert _bookings(monkeypatch, cfg, dtype="fp16")["w.proj.x32"] == 2 * mem._block(4 * R * H)
     fp32 = _bookings(monkeypatch, cfg, dtype="fp32")
-    assert not any(k.endswith((".x32", ".y")) for k in fp32) and fp32["w.proj"] > 0
+    assert not any(k.endswith((".x32", ".y")) for k in fp32 if not k.startswith("experts.")) and fp32["w.proj"] > 0
 
 
 @pytest.mark.parametrize("dtype,act", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16), ("fp16", torch.float16),
