@@ -61,7 +61,10 @@ Per case and mode: median ms (CUDA events) and new tokens/s.  Per case (compiled
 * **memory**: peak ``max_memory_allocated`` of the timed compiled runs (weights + KV pool +
   activations) against ``cpgraph memory``'s plan (:func:`cpgraph.plan.memory.plan_memory`, which
   models the EAGER forward, so for a compiled one it is an upper bound; 8 x 4K is planned as one
-  request of 32K tokens, the same rows and keys);
+  request of 32K tokens, the same rows and keys).  The plan books the routed experts of the
+  implementation that computed the case's ``moe_experts`` calls (the provider report's counts over
+  the case: ``deep_gemm``, with its 128-row padded layout, or ``triton``), so the two compare like
+  with like; the fit check before the run plans the default (DeepGEMM for FP8 experts);
 * **per-layer times**: one more compiled forward with CUDA events recorded by the per-layer KV
   hooks (``cpgraph.ops.layer_events.layer_hooks``): ``kv_layer_ready`` (after the layer's q/kv
   projections) and ``kv_layer_written`` (after its KV write and indexer) split each layer into
@@ -596,6 +599,24 @@ def _guarded(store: dict, key: str, what: str, step):
         return None
 
 
+def _experts_ran(before: dict, after: dict) -> str | None:
+    """The ``cpgraph::moe_experts`` implementation that computed most calls between two provider reports (``calls``)."""
+
+    def counts(report: dict) -> Counter:
+        out: Counter = Counter()
+        for r in report.get("moe_experts", []):  # one row per (implementation, reason)
+            out[r["implementation"]] += r["calls"]
+        return out
+
+    ran = counts(after) - counts(before)  # the counts only grow: what is left ran in between
+    return ran.most_common(1)[0][0] if ran else None
+
+
+def _plan_row(plan) -> dict:
+    return {"weights": plan.weight_bytes, "kv": plan.kv_bytes, "activation_peak": plan.activation_peak,
+            "peak_phase": plan.peak_phase, "total": plan.total_bytes, "experts_provider": plan.experts_provider}
+
+
 def time_mode(fn, tokens: int, repeat: int, warmup: int) -> dict:
     """First call (compiles a compiled forward), then the median of ``repeat`` timed calls; peak memory."""
     cuda = vt.DEVICE == "cuda"
@@ -655,6 +676,7 @@ def time_deterministic(compiled, default_fn, fn, tokens: int, repeat: int, warmu
 def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gemm: dict, deterministic=None) -> dict:
     """Every measurement of one (variant, case): see the module docstring (``deterministic``: that compile)."""
     from cpgraph.models import build_batch
+    from cpgraph.ops.providers import calls
     from cpgraph.plan import plan_prefill
     from cpgraph.plan.memory import plan_memory
     from cpgraph.runtime.engine import pool_config, pool_tensors
@@ -671,8 +693,8 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
     row["flops_parts_tflop"] = {k: v / 1e12 for k, v in parts.items()}
     plan = plan_memory(cfg, tokens=tokens, dtype=variant.weights, kv_format=variant.kv, page_size=page,
                        max_logits_bytes=model.kv_layout.max_logits_bytes)
-    row["memory_plan"] = {"weights": plan.weight_bytes, "kv": plan.kv_bytes, "activation_peak": plan.activation_peak,
-                          "peak_phase": plan.peak_phase, "total": plan.total_bytes}  # fmt: skip
+    row["memory_plan"] = _plan_row(plan)
+    experts_before = calls(vt.DEVICE)  # which moe_experts implementation computes this case: the counts' growth
     vt.reset_peak()  # return the previous case's cached blocks before asking what is free
     if cuda:
         free, _ = torch.cuda.mem_get_info()
@@ -770,6 +792,15 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
                                                         for k, v in modes.items())  # fmt: skip
         c = modes.get("compiled", {})
         if "peak_bytes" in c:
+            ran = _experts_ran(experts_before, calls(vt.DEVICE))
+            if ran is not None and ran != plan.experts_provider:  # plan the experts that ran (e.g. no DeepGEMM)
+                try:
+                    plan = plan_memory(cfg, tokens=tokens, dtype=variant.weights, kv_format=variant.kv,
+                                       page_size=page, max_logits_bytes=model.kv_layout.max_logits_bytes,
+                                       experts_provider=ran)
+                    row["memory_plan"] = _plan_row(plan)
+                except ValueError as exc:  # an implementation the plan does not model (the FP8 reference)
+                    row["memory_plan"]["experts_ran"] = f"{ran} (not planned: {exc})"
             row["memory"].update(peak=c["peak_bytes"], activation_peak=c["activation_peak_bytes"],
                                  peak_over_plan=c["peak_bytes"] / plan.total_bytes,
                                  activation_over_plan=c["activation_peak_bytes"] / max(plan.activation_peak, 1),
@@ -868,7 +899,8 @@ def print_tables(results: list[dict], meta: dict) -> None:
             print(f"  memory: peak {_gib(mem['peak'])} GiB vs plan {_gib(plan['total'])} GiB "
                   f"({mem['peak_over_plan']:.2f}x); activations {_gib(mem['activation_peak'])} vs "
                   f"{_gib(plan['activation_peak'])} GiB ({mem['activation_over_plan']:.2f}x, plan = eager, "
-                  f"{plan['peak_phase']}); weights {mem['weights_over_plan']:.3f}x")  # fmt: skip
+                  f"{plan['peak_phase']}, experts {plan.get('experts_provider')}); weights "
+                  f"{mem['weights_over_plan']:.3f}x")  # fmt: skip
 
 
 def write_json(path, meta, results) -> None:

@@ -165,6 +165,22 @@ def test_random_model_on_device_and_fp8_in_place():
     assert ((got_up - ref_up[0]).norm() / ref_up[0].norm()).item() < 0.05
 
 
+def test_memory_plan_books_the_experts_that_ran():
+    """The case's plan names the ``moe_experts`` implementation whose provider-report count grew during the case."""
+    from cpgraph.plan.memory import EXPERTS_PROVIDERS
+
+    def report(**n):
+        rows = [{"implementation": k, "calls": v, "reason": None} for k, v in n.items()]
+        rows.append({"implementation": "triton", "calls": 1, "reason": "CPGRAPH_FP8_EXPERTS=triton"})
+        return {"moe_experts": rows, "sparse_mla": [{"implementation": "flash_mla", "calls": 99, "reason": None}]}
+
+    earlier = report(triton=40)  # an earlier variant's bf16 experts
+    assert ps._experts_ran(earlier, report(triton=40, deep_gemm=6)) == "deep_gemm"
+    assert ps._experts_ran(earlier, report(triton=46, deep_gemm=2)) == "triton"
+    assert ps._experts_ran(earlier, earlier) is None and ps._experts_ran({}, {}) is None
+    assert set(EXPERTS_PROVIDERS) >= {"deep_gemm", "triton"}
+
+
 @pytest.mark.slow
 def test_smallest_dry_run_end_to_end(tmp_path):
     """``--device cpu`` at its smallest: every step runs and the JSON holds each figure the GPU run reports."""
@@ -189,4 +205,5 @@ def test_smallest_dry_run_end_to_end(tmp_path):
     cats = row["profile"]["categories"]
     assert {"sparse attention", "dense linears"} <= set(cats)
     assert row["memory_plan"]["total"] > 0 and row["share_of_bf16_gemm"] > 0
+    assert row["memory_plan"]["experts_provider"] in ("triton", "reference")  # bf16 experts (tiny: maybe unaligned)
     assert data["meta"]["gemm"]["fp8_blockwise_skipped"] == "not a CUDA tensor"
