@@ -110,7 +110,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         check_parallel(cp=args.cp, ep=args.ep, num_experts=cfg.n_routed_experts if moe else None)
         plan = plan_memory(cfg, tokens=args.tokens, cp=args.cp, ep=args.ep, row_bucket=args.row_bucket,
                            dtype=args.dtype, kv_format=args.kv_format, index_format=args.index_format,
-                           page_size=args.page, deterministic=args.deterministic)
+                           page_size=args.page, deterministic=args.deterministic,
+                           experts_provider=args.experts_provider)
     print(json.dumps(plan.to_dict()) if args.json else render_memory(plan))
     return 0
 
@@ -660,6 +661,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--deterministic", action="store_true",
                    help="plan a forward in the deterministic mode (run --deterministic): its fp32 router and "
                         "indexer-weight products copy the activation to fp32")
+    m.add_argument("--experts-provider", choices=("reference", "triton", "deep_gemm"), default=None,
+                   help="the routed experts' implementation to plan, as the provider report names it: deep_gemm "
+                        "(DeepGEMM's layout, 128 rows per expert at least), triton (grouped GEMMs), reference "
+                        "(dense); default: what runs on an SM90 GPU with DeepGEMM (deep_gemm for fp8, triton for "
+                        "bf16)")
     m.add_argument("--json", action="store_true", help="print the plan as JSON")
     m.set_defaults(func=_cmd_memory)
 

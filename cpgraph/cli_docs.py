@@ -65,6 +65,8 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
         "--index-format": "cpgraph memory --model-config ./GLM-5 --tokens 131072 --cp 8 --index-format fp8",
         "--page": "cpgraph memory --model-config tiny-glm5 --tokens 4096 --page 16",
         "--deterministic": "cpgraph memory --model-config ./DeepSeek-V3.2 --tokens 131072 --cp 8 --deterministic",
+        "--experts-provider": "cpgraph memory --model-config ./DeepSeek-V3.2 --tokens 32768 --dtype fp8 "
+                              "--experts-provider triton",
         "--json": "cpgraph memory --model-config tiny-glm5 --tokens 4096 --json",
     },
     "launch": {

@@ -280,6 +280,26 @@ def test_cli_memory_json_and_text(tmp_path, capsys):
     assert main(["memory", "--model-config", str(tmp_path / "config.json"), "--tokens", "4096"]) == 0  # the file too
 
 
+def test_cli_memory_experts_provider(tmp_path, capsys):
+    """``--experts-provider`` plans the named implementation: V3.2 FP8 at 32K, the Triton grouped GEMM (no
+    DeepGEMM padding rows, no gathered copy) books a smaller MoE phase than the default DeepGEMM layout; a bad
+    pairing is a one-line error."""
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V32))
+    argv = ["memory", "--model-config", str(tmp_path), "--tokens", "32768", "--dtype", "fp8", "--json"]
+    assert main(argv) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--experts-provider", "triton"]) == 0
+    triton = json.loads(capsys.readouterr().out)
+    assert (default["experts_provider"], triton["experts_provider"]) == ("deep_gemm", "triton")
+    # The MoE phase shrinks (the total need not: at one device and 32K the attention phase is the peak).
+    assert triton["activation_phases"]["moe"] < default["activation_phases"]["moe"]
+    plan = mem.plan_memory(_cfg(DEEPSEEK_V32), tokens=32768, dtype="fp8", experts_provider="triton")
+    assert triton["total_bytes"] == plan.total_bytes
+    assert main(argv + ["--experts-provider", "deep_gemm", "--deterministic"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpgraph memory: error: ") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--cp", "8", "--ep", "4"], r"--ep must be 1 or equal to --cp \(8\)"),
     (["--tokens", "0"], "'tokens' must be an int >= 1"),
