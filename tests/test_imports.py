@@ -58,7 +58,7 @@ LAYERS = {
     "transfer": 5,
     "adapters": 5,  # model adapters over cpgraph ops (may use the runtime; serve and the CLI above)
     "serve": 6,
-    "cli": 7,  # cli.py, cli_docs.py, cli_serve.py, __main__.py
+    "cli": 7,  # cli.py, cli_*.py (its subcommand modules and docs), __main__.py
     "": 8,  # cpgraph/__init__.py: the lazy facade (cpgraph.compile -> passes)
 }
 
@@ -226,7 +226,7 @@ def unit(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return ""
-    return "cli" if parts[1] in ("cli", "cli_docs", "cli_serve", "__main__") else parts[1]
+    return "cli" if parts[1] in ("cli", "__main__") or parts[1].startswith("cli_") else parts[1]
 
 
 def upward_edges(graph) -> dict[tuple[str, str], bool]:
