@@ -109,7 +109,7 @@ EXAMPLES: dict[str, dict[str | None, str]] = {
 _INTRO = """\
 # The `cpgraph` command
 
-<!-- Generated from the argparse definitions in cpgraph/cli.py by
+<!-- Generated from the argparse definitions in cpgraph/cli*.py (assembled by cpgraph.cli.build_parser) by
      `python -m cpgraph.cli --dump-docs > docs/cli.md`; tests/test_cli_docs.py fails when it is stale. -->
 
 Subcommands: `plan` (how a batch is split over a CP group), `memory` (per-rank bytes of a CP
