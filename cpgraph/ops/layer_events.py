@@ -29,14 +29,16 @@ import torch
 from torch import Tensor
 
 _HOOKS: dict[str, Callable[[int, Tensor], None] | None] = {"ready": None, "written": None}
+_KEEP = object()  # layer_hooks' default: the hook of that kind already installed stays
 
 
 @contextlib.contextmanager
-def layer_hooks(
-    on_ready: Callable[[int, Tensor], None] | None = None,
-    on_written: Callable[[int, Tensor], None] | None = None,
-):
+def layer_hooks(on_ready=_KEEP, on_written=_KEEP):
     """Install per-layer hooks ``hook(layer, pool)`` for a ``with`` block (restores the previous ones).
+
+    A kind left out keeps the hook already installed (``None`` removes it for the block): the HiCache
+    load-back installs ``on_ready`` around a forward while a transfer's ``on_written`` hook stays in
+    place, and each must see every layer.
 
     ``pool`` is the tensor the op received.  In eager mode and in Inductor
     graphs (which write caches in place) it is the runtime's pool buffer.  A
@@ -46,7 +48,10 @@ def layer_hooks(
     if they differ, not assume the layer's bytes are there yet.
     """
     previous = dict(_HOOKS)
-    _HOOKS["ready"], _HOOKS["written"] = on_ready, on_written
+    if on_ready is not _KEEP:
+        _HOOKS["ready"] = on_ready
+    if on_written is not _KEEP:
+        _HOOKS["written"] = on_written
     try:
         yield
     finally:

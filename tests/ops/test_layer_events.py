@@ -36,6 +36,24 @@ def test_hooks_run_and_are_restored():
     assert torch.equal(pool, torch.zeros(4, 2))
 
 
+def test_a_kind_left_out_keeps_the_installed_hook():
+    """The engine installs ``on_ready`` around a forward while a transfer's ``on_written`` stays installed; ``None``
+    removes a hook for the block; leaving each block restores what was there."""
+    seen = []
+    pool = torch.zeros(4, 2)
+    with layer_hooks(on_written=lambda i, p: seen.append(("written", i))):
+        with layer_hooks(on_ready=lambda i, p: seen.append(("ready", i))):
+            ops.kv_layer_ready(pool, 1)
+            ops.kv_layer_written(pool, 1)
+            with layer_hooks(on_written=None):
+                ops.kv_layer_written(pool, 2)
+            ops.kv_layer_written(pool, 3)
+        ops.kv_layer_ready(pool, 4)
+        ops.kv_layer_written(pool, 4)
+    ops.kv_layer_written(pool, 5)
+    assert seen == [("ready", 1), ("written", 1), ("written", 3), ("written", 4)]
+
+
 def test_bad_arguments():
     with pytest.raises((ValueError, RuntimeError), match="pool"):
         ops.kv_layer_ready([1, 2], 0)
