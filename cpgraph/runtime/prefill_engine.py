@@ -57,7 +57,11 @@ prompt_len) -> bool``, ``bytes_sent(room) -> int``, ``finish(room)`` and
 ``abort(room)`` (``cpgraph.serve.transfer.RoomSender`` adapts a Mooncake
 :class:`~cpgraph.transfer.prefill.PrefillPeer`).  Chunk k of a request goes
 out right after the step that computed it: pages ``[start // page, ceil(end /
-page))``, the first chunk also covering the cached prefix pages.
+page))``, the first chunk also covering the cached prefix pages.  A sink whose
+``overlap`` is true also has ``begin_chunk(room, table, page_start, page_end,
+last)`` and ``end_chunk(chunk, last, first_token, prompt_len) -> bool``: the
+engine opens each chunk before the step's forward (its layers go out while
+later layers compute) and closes it after.
 """
 
 from __future__ import annotations
@@ -675,6 +679,12 @@ class PrefillEngine:
             # Chunk [s, e) reads every page before it (cached, restored, earlier chunks) and writes its own.
             tables = [(live.pages[: -(-e // ps)], live.owners) for live, (_, _, e) in zip(lives, chunks)]
             loads = [h for live in lives for h in live.match.loads]
+            # Per-layer transfer: the chunks open before the forward, so each layer's pages go out as it is written.
+            early = {}
+            if self.transfer is not None and getattr(self.transfer, "overlap", False):
+                for j, (live, (_, _, e)) in enumerate(zip(lives, chunks)):
+                    if live.room is not None and live.transfer_ok:
+                        early[j] = self._begin_send(live, tables[j][0], e, e == len(live.tokens))
 
             def wait_for_layer(layer: int, pool=None) -> None:
                 for h in loads:
@@ -727,7 +737,9 @@ class PrefillEngine:
             last = e == len(live.tokens)
             live.done = e if last else live.starts[live.next_chunk]
             choice = choices.get(j)
-            if live.room is not None and self.transfer is not None:
+            if j in early:
+                self._end_send(live, early[j], last, choice)
+            elif live.room is not None and self.transfer is not None:
                 self._send(live, tables[j][0], s, e, last, choice)
             if last:
                 if live.room is not None and self.transfer is not None:
@@ -764,6 +776,23 @@ class PrefillEngine:
         t0 = time.perf_counter()
         ok = live.transfer_ok and self.transfer.send_chunk(
             live.room, table, first_page, end_page, last, None if choice is None else choice.token, len(live.tokens))
+        live.transfer_s += time.perf_counter() - t0
+        if live.transfer_ok and not ok:
+            self.stats.transfer_failures += 1
+        live.transfer_ok = bool(ok)
+
+    def _begin_send(self, live: _Live, table: np.ndarray, e: int, last: bool):
+        """``transfer.begin_chunk`` for the pages not sent yet up to ``e`` (as :meth:`_send`), before the forward."""
+        first_page, end_page = live.sent_pages, -(-e // self.page_size)
+        live.sent_pages = end_page
+        t0 = time.perf_counter()
+        chunk = self.transfer.begin_chunk(live.room, table, first_page, end_page, last)
+        live.transfer_s += time.perf_counter() - t0
+        return chunk
+
+    def _end_send(self, live: _Live, chunk, last: bool, choice) -> None:
+        t0 = time.perf_counter()
+        ok = self.transfer.end_chunk(chunk, last, None if choice is None else choice.token, len(live.tokens))
         live.transfer_s += time.perf_counter() - t0
         if live.transfer_ok and not ok:
             self.stats.transfer_failures += 1

@@ -194,13 +194,18 @@ def _tokenizer(spec: ServeSpec, vocab: int):
     return (lambda text: encode_prompts(tok, [text], vocab_size=vocab)[0]), (lambda t: tok.decode([t]))
 
 
-def _make_peer(rank: int):
+def _make_peer(rank: int, overlap: bool = True):
+    """The engine's KV sink for this rank.  ``overlap``: each layer's pages go out while later layers compute
+    (per-layer hooks on the model); off under CUDA graphs, whose replays run no Python per layer."""
     def attach(engine):
         from cpgraph.transfer.prefill import PrefillPeer
 
         from .transfer import RoomSender
 
-        return RoomSender(PrefillPeer(engine.cache.pool, rank))
+        sender = RoomSender(PrefillPeer(engine.cache.pool, rank))
+        if overlap:
+            sender.attach(engine.model)
+        return sender
 
     return attach
 
@@ -226,7 +231,8 @@ def serve_single(spec: ServeSpec) -> int:
     device = "cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available()) else "cpu"
     model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), device=device, weights=spec.weights).eval()
     model.kv_layout = make_layout(model, spec.kv_format, spec.page_size)
-    engine = build_engine(model, make_forward(model, spec), spec, transfer=_make_peer(0) if spec.kv_transfer else None)
+    engine = build_engine(model, make_forward(model, spec), spec,
+                          transfer=_make_peer(0, not spec.cuda_graphs) if spec.kv_transfer else None)
     info = _transfer_info(engine, [engine.transfer.address] if spec.kv_transfer else None)
     server = _server(engine, spec, spec.port, info)
     try:
@@ -286,7 +292,7 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
         if not cuda:  # the ranks share this machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.cp))
         engine = build_engine(model, forward, spec, rank=grank, group=group, control_group=ctl, src=gid * spec.cp,
-                              transfer=_make_peer(grank) if spec.kv_transfer else None)
+                              transfer=_make_peer(grank, not spec.cuda_graphs) if spec.kv_transfer else None)
         peers = None
         if spec.kv_transfer:
             peers = [None] * spec.cp

@@ -4,9 +4,16 @@ Why an adapter: the engine lives in ``cpgraph.runtime``, below
 ``cpgraph.transfer`` in the import order, so it talks to a small sink
 interface (see :mod:`cpgraph.runtime.prefill_engine`); this class maps it
 onto the decode-registered room protocol of :mod:`cpgraph.transfer.prefill`
-(REGISTER with a per-room secret, POLL, ABORT/ACK).  Chunks are sent after
-the step that computed them (``overlap=False``: the serving forward carries
-no per-layer hooks), each rank its own pages.
+(REGISTER with a per-room secret, POLL, ABORT/ACK), each rank its own pages.
+
+Two ways a chunk goes out.  ``send_chunk`` after the step that computed it
+(every layer after the forward).  Or, once :meth:`RoomSender.attach` has
+installed the per-layer hooks on the model (``cpgraph.transfer.overlap``),
+``begin_chunk`` before the step's forward and ``end_chunk`` after it: each
+layer's pages are sent while the later layers compute, and ``end_chunk``
+waits only for the tail (and sends any layer no hook saw).  A forward
+replayed from a CUDA graph runs no Python per layer, so ``cpgraph serve``
+attaches the hooks only without ``--cuda-graphs``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,20 @@ class RoomSender:
 
     def __init__(self, peer: PrefillPeer, register_wait: float = 5.0):
         self.peer, self.register_wait = peer, register_wait
+        self._hooks: list = []
+
+    @property
+    def overlap(self) -> bool:
+        """Whether chunks go out layer by layer during the forward (:meth:`attach` ran)."""
+        return bool(self._hooks)
+
+    def attach(self, model) -> None:
+        """Hook ``model``'s per-layer KV events (the model whose forward writes this peer's pool), so chunks begun
+        with :meth:`begin_chunk` send each layer as soon as it is written."""
+        from cpgraph.transfer.overlap import attach_layer_hooks
+
+        if not self._hooks:
+            self._hooks = attach_layer_hooks(model, self.peer.manager, self.peer.pool)
 
     @property
     def address(self) -> str:
@@ -35,11 +56,25 @@ class RoomSender:
 
     def send_chunk(self, room: int, table, page_start: int, page_end: int, last: bool, first_token: int | None,
                    prompt_len: int) -> bool:
-        if not self.peer.wait_registered(room, self.register_wait):
-            return False  # never write into pages decode may have reused
-        chunk = self.peer.begin_chunk(room, [int(p) for p in table], page_start, page_end, last, overlap=False)
+        """Send pages ``[page_start, page_end)`` of ``table`` now (after the forward); False when the room failed."""
+        return self.end_chunk(self._begin(room, table, page_start, page_end, last, overlap=False), last, first_token,
+                              prompt_len)
+
+    def begin_chunk(self, room: int, table, page_start: int, page_end: int, last: bool):
+        """Before the forward that computes the chunk: open it, so its layers go out as the forward writes them."""
+        return self._begin(room, table, page_start, page_end, last, overlap=self.overlap)
+
+    def end_chunk(self, chunk, last: bool, first_token: int | None, prompt_len: int) -> bool:
+        """After that forward: wait for the chunk's layers (sending any no hook saw); False when the room failed."""
+        if chunk is None:
+            return False
         status = self.peer.end_chunk(chunk, first_token=first_token, prompt_len=prompt_len)
         return status == RoomStatus.SUCCESS if last else status != RoomStatus.FAILED
+
+    def _begin(self, room: int, table, page_start: int, page_end: int, last: bool, overlap: bool):
+        if not self.peer.wait_registered(room, self.register_wait):
+            return None  # never write into pages decode may have reused
+        return self.peer.begin_chunk(room, [int(p) for p in table], page_start, page_end, last, overlap=overlap)
 
     def bytes_sent(self, room: int) -> int:
         return self.peer.sender.bytes_sent(room)
@@ -52,4 +87,7 @@ class RoomSender:
         self.peer.release(room)
 
     def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         self.peer.close()

@@ -42,7 +42,10 @@ from cpgraph.transfer.status import RoomStatus  # noqa: E402
 PAGE = 16
 
 
-def test_decode_room_receives_the_prefill_pool_bytes(one_thread):
+@pytest.mark.parametrize("overlap", [False, True], ids=["after_forward", "per_layer"])
+def test_decode_room_receives_the_prefill_pool_bytes(one_thread, overlap):
+    """``per_layer``: the sender's hooks are on the model (``cpgraph serve`` without CUDA graphs), so each chunk
+    opens before its step's forward and every layer goes out as the forward writes it (none after it)."""
     model = from_pretrained("tiny-glm5").eval()
     model.kv_layout = make_layout(model, "bf16", PAGE)
 
@@ -51,6 +54,9 @@ def test_decode_room_receives_the_prefill_pool_bytes(one_thread):
 
     engine = PrefillEngine(forward, model, num_pages=64, page_size=PAGE, scheduler=SchedulerConfig(token_budget=32))
     engine.transfer = RoomSender(PrefillPeer(engine.cache.pool, 0))
+    if overlap:
+        engine.transfer.attach(model)
+    assert engine.transfer.overlap == overlap
     server = PrefillServer(engine, served=("tiny-glm5",),
                            transfer_info=_transfer_info(engine, [engine.transfer.address])).start_background()
     decode = DecodeSide(KVPool(pool_config(model, "bf16", PAGE, 64, 0)), max_rooms=8)
@@ -81,6 +87,9 @@ def test_decode_room_receives_the_prefill_pool_bytes(one_thread):
             # The pages and the first-token record.
             assert sent["bytes_sent"] == pages * engine.cache.pool.bytes_per_page() + AUX_BYTES
             decode.release(room)
+        peer = engine.transfer.peer  # 3 chunks (2 + 1) of every layer: by the hooks, or all after the forwards
+        layers = 3 * engine.cache.pool.config.num_layers
+        assert (peer.layers_per_layer, peer.layers_after_forward) == ((layers, 0) if overlap else (0, layers))
         # A room nobody registered is refused up front, naming the field.
         status, err = post(server.url, {"prompt": first, "kv_transfer": {"room": 7}})
         assert status == 400 and err["error"]["param"] == "kv_transfer.room"
