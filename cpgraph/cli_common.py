@@ -77,3 +77,15 @@ def add_verbose(p: argparse.ArgumentParser, default) -> None:
     p.add_argument("-v", "--verbose", action="count", default=default,
                    help="log cpgraph's steps: -v INFO, -vv DEBUG (default: warnings only)")
 
+
+WEIGHTS_HELP = ("FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections with their block "
+                "scales (fp8; on cpu the FP8 matmul is the slow torch reference)")
+
+
+def add_model_format_flags(p: argparse.ArgumentParser, weights_help: str = WEIGHTS_HELP) -> None:
+    """``--kv-format``, ``--dtype`` and ``--weights``: how a command that loads a model holds it (run, launch, serve)."""
+    p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
+                   help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="model dtype (default: the checkpoint config's; float32 for bundled models)")
+    p.add_argument("--weights", choices=("dequantize", "fp8"), default=None, help=weights_help)

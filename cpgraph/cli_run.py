@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 
-from cpgraph.cli_common import DETERMINISTIC_HELP, int_list, progress_printer
+from cpgraph.cli_common import DETERMINISTIC_HELP, add_model_format_flags, int_list, progress_printer
 from cpgraph.runtime.inputs import InputError, check_l3, one_line, user_input
 from cpgraph.runtime.inputs import builtin_prompts as _builtin_prompts
 from cpgraph.runtime.inputs import read_prompts as _read_prompts
@@ -31,13 +31,7 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                         "or a JSON string of text (text needs the checkpoint's tokenizer) (default: built-in prompts)")
     r.add_argument("--prefix-lens", type=int_list, default=None,
                    help="tokens of each prompt to prefill and cache first (multiples of 16), e.g. 64,0")
-    r.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
-                   help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
-    r.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="model dtype (default: the checkpoint config's; float32 for bundled models)")
-    r.add_argument("--weights", choices=("dequantize", "fp8"), default=None,
-                   help="FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections with "
-                        "their block scales (fp8; on cpu the FP8 matmul is the slow torch reference)")
+    add_model_format_flags(r)
     r.add_argument("--batch-size", type=int, default=None, help="prompts per forward, >= 1 (default: all at once)")
     r.add_argument("--top", type=int, default=5, help="how many top token ids to print per prompt (default 5)")
     r.add_argument("--json", default=None, metavar="OUT",
@@ -100,13 +94,7 @@ def add_launch_parser(sub) -> argparse.ArgumentParser:
                     help="cuda = NCCL, rank on cuda:LOCAL_RANK; cpu = gloo (default auto: cuda when visible)")
     ln.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor",
                     help="torch.compile backend of the CP forward (default inductor)")
-    ln.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
-                    help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
-    ln.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                    help="model dtype (default: the checkpoint config's; float32 for bundled models)")
-    ln.add_argument("--weights", choices=("dequantize", "fp8"), default=None,
-                    help="FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections with "
-                         "their block scales (fp8; on cpu the FP8 matmul is the slow torch reference)")
+    add_model_format_flags(ln)
     ln.add_argument("--repeat", type=int, default=1,
                     help="prefill runs; the first compiles, the last is the timed one (default 1)")
     ln.add_argument("--timeout", type=float, default=600.0,

@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 
+from cpgraph.cli_common import add_model_format_flags
 from cpgraph.runtime.inputs import InputError, check_l3, user_input
 
 # A worked example per flag for docs/cli.md (cpgraph.cli_docs); every line must parse.
@@ -72,12 +73,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=("eager", "aot_eager", "inductor"), default=None,
                    help="forward: eager model (one device only), or cpgraph.compile with aot_eager or inductor "
                         "(default: eager on one device, inductor with --cp)")
-    s.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16",
-                   help="KV cache records: bf16 = dense in the model dtype, fp8 = 656-byte records (default bf16)")
-    s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="model dtype (default: the checkpoint config's; float32 for bundled models)")
-    s.add_argument("--weights", choices=("dequantize", "fp8"), default=None,
-                   help="FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections (fp8)")
+    add_model_format_flags(s, "FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections (fp8)")
     s.add_argument("--page", type=int, default=16, help="KV page size, a power of two (default 16; 64 for the "
                                                         "production kernels)")
     s.add_argument("--num-pages", type=int, default=4096, help="KV pages per rank (L1, the device pool) (default 4096)")
