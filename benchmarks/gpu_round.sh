@@ -14,14 +14,16 @@
 #   benchmarks/gpu_round.sh serve       # GPU: the serving tests and serve_bench, production-shaped
 #   benchmarks/gpu_round.sh cp2         # 2 GPUs: the CP + CUDA-graph tests (graph runner, serve)
 #
-# On the device, carry .whl (and nothing else is needed); a later stage reuses $OUT's DeepGEMM wheel when
-# it is copied back into .whl/ between calls.
+# On the device, carry .whl (and nothing else is needed).  What a stage makes for the next one (the DeepGEMM
+# wheel, the selection's tuning) also goes to gpu_state/ (git-ignored), which stays on a machine that is
+# still warm for the next call; on a fresh machine copy them from $OUT into .whl/ instead.
 set -uo pipefail
 stage=${1:?"usage: benchmarks/gpu_round.sh prepare|selection|forward|serve|cp2"}
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
 WHL=.whl
+STATE=gpu_state
+mkdir -p "$OUT" "$STATE"
 # PyPI's file of deepinfer-gemm 2.8.2 (an sdist only: it is built on the GPU machine, against its torch)
 DEEP_GEMM_SDIST=https://files.pythonhosted.org/packages/c3/81/8211cfa3e92b0f5be337116fe15da8a6fa232161899a628fe100d8895fa0/deepinfer_gemm-2.8.2.tar.gz
 SITE=/tmp/cpgraph_site
@@ -41,8 +43,10 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, report the status, go o
 
 install_wheels() {
     mkdir -p "$SITE"
-    if ls $WHL/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --target "$SITE" $WHL/*.whl || echo "wheel install failed"
+    local wheels=($WHL/*.whl $STATE/*.whl)
+    wheels=($(ls "${wheels[@]}" 2>/dev/null))
+    if [ ${#wheels[@]} -gt 0 ]; then
+        python3 -m pip install -q --no-index --no-deps --target "$SITE" "${wheels[@]}" || echo "wheel install failed"
     fi
     export PYTHONPATH=$SITE:$PWD
     python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
@@ -54,7 +58,7 @@ build_deep_gemm() {  # in the background; the wheel lands in $OUT (and the site)
     fi
     (CPATH=$PWD/$WHL/elfinc/usr/include CUDA_HOME=/usr/local/cuda CXX=/usr/bin/g++ CC=/usr/bin/gcc MAX_JOBS=12 \
         python3 -m pip wheel -q --no-build-isolation --no-deps -w /tmp/dg $WHL/deepinfer_gemm-2.8.2.tar.gz \
-        && cp /tmp/dg/deepgemm-*.whl "$OUT"/ \
+        && cp /tmp/dg/deepgemm-*.whl "$OUT"/ && cp /tmp/dg/deepgemm-*.whl "$STATE"/ \
         && python3 -m pip install -q --no-index --no-deps --target "$SITE" /tmp/dg/deepgemm-*.whl) \
         >"$OUT/deep_gemm_build.log" 2>&1 &
     DG_PID=$!
@@ -77,6 +81,7 @@ selection)
     build_deep_gemm
     step topk_sweep python3 benchmarks/topk_select_bench.py --sweep --stages --json "$OUT/topk.json" \
         --write-tuning "$OUT/tuning.json"
+    cp "$OUT/tuning.json" "$STATE/tuning.json" 2>/dev/null
     step indexer_gpu_tests python3 -m pytest -q -m gpu tests/kernels/test_indexer_kernels.py -p no:cacheprovider
     step sass_loops python3 benchmarks/sass_loops.py
     [ -n "${DG_PID:-}" ] && { wait "$DG_PID"; echo "DeepGEMM build: exit $?"; tail -n 5 "$OUT/deep_gemm_build.log"; }
@@ -84,7 +89,9 @@ selection)
 forward)
     install_wheels
     TUNE=()
-    [ -f $WHL/tuning.json ] && TUNE=(env CPGRAPH_INDEXER_TUNING=$WHL/tuning.json)
+    for t in $STATE/tuning.json $WHL/tuning.json; do
+        [ -f "$t" ] && { TUNE=(env CPGRAPH_INDEXER_TUNING=$PWD/$t); echo "selection tuning: $t"; break; }
+    done
     step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
         --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --json "$OUT/production_32k.json"
     # The dense FP8 linears' target at M = 4096 (and 32768 beside it), DeepGEMM's kernels and the fused SwiGLU
