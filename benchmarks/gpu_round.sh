@@ -19,6 +19,13 @@
 # still warm for the next call; on a fresh machine copy them from $OUT into .whl/ instead.
 set -uo pipefail
 stage=${1:?"usage: benchmarks/gpu_round.sh prepare|selection|forward|serve|cp2"}
+case $stage in
+prepare | selection | forward | serve | cp2) ;;
+*)
+    echo "unknown stage $stage (prepare|selection|forward|serve|cp2)" >&2
+    exit 2
+    ;;
+esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 WHL=.whl
@@ -111,9 +118,5 @@ cp2)
     step cp2_tests python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/serve/test_serve_gpu.py::test_cp2_cuda_graph_server_replays_and_matches_prefill_logits \
         tests/runtime/test_bucket_padding_cp.py::test_cuda_capture_pads_a_cached_prefix_under_cp
-    ;;
-*)
-    echo "unknown stage $stage (prepare|selection|forward|serve|cp2)" >&2
-    exit 2
     ;;
 esac
