@@ -64,8 +64,8 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                         "same model and KV layout: file:DIR[,max_bytes=SIZE] or mooncake:HOST:PORT[,metadata=URL] "
                         "(docs/cache.md); a later run serves the prefixes an earlier one stored")
     r.add_argument("--cuda-graphs", action="store_true",
-                   help="with --cache --device cuda: replay the forward from CUDA graphs, one per row bucket "
-                        "(docs/cuda_graphs.md)")
+                   help="with --cache --device cuda (one device or --cp N): replay the forward from CUDA graphs, one "
+                        "per bucket (docs/cuda_graphs.md)")
     r.add_argument("--draft", action="store_true",
                    help="also run the MTP draft layer (model.layers.{num_hidden_layers}; bundled models: a random one) "
                         "on the target's hidden states and print its top tokens beside the target's: the draft "
@@ -138,8 +138,8 @@ def _check_run_flags(args: argparse.Namespace) -> None:
     if args.draft and args.cache:
         raise InputError("--draft is not supported with --cache (run it without --cache)")
     if args.cuda_graphs:
-        if not args.cache or args.cp is not None or args.device != "cuda":
-            raise InputError("--cuda-graphs applies to single-device --cache runs with --device cuda "
+        if not args.cache or args.device != "cuda":
+            raise InputError("--cuda-graphs applies to --cache runs with --device cuda, one device or --cp N "
                              "(one KV pool across both passes; docs/cuda_graphs.md)")
         if args.evict:
             raise InputError("--cuda-graphs does not take --evict (HiCache load-back waits on the host between passes)")
@@ -464,7 +464,8 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
                      kv_format=args.kv_format, dtype=args.dtype, weights=args.weights, backend=backend,
                      page_size=DEFAULT_PAGE_SIZE,
                      cache=args.cache, evict=args.evict, log_level=logging.getLogger("cpgraph").level,
-                     draft=args.draft, l3=args.l3, deterministic=args.deterministic, **_cache_kwargs(args))
+                     draft=args.draft, l3=args.l3, deterministic=args.deterministic, cuda_graphs=args.cuda_graphs,
+                     **_cache_kwargs(args))
     # On a terminal, a line every 10 s while a rank compiles; in a log, one line per phase.
     heartbeat = 10.0 if sys.stderr.isatty() and not args.quiet else None
     res = run_cp(spec, progress=None if args.quiet else progress, heartbeat=heartbeat)
@@ -484,7 +485,8 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
     for r, (b, n, w) in enumerate(zip(res.kv_bytes_per_rank, res.pages_per_rank, res.weight_bytes_per_rank)):
         print(f"rank {r}: KV {b} bytes in {n} owned page(s) = {b / max(res.replicated_bytes, 1):.3f} of a replicated cache "
               f"({res.replicated_bytes} bytes); weights {w} bytes")
-    _print_providers(args.device, res.provider_calls)
+    replays = res.cache.get("graph_replays", 0) if res.cache is not None else 0
+    _print_providers(args.device, res.provider_calls, replays)
     if args.json:
         payload = _run_payload(args, prompts, prefix, out, top, cp=args.cp, device=args.device, backend=backend,
                                max_abs_diff_vs_single_device=diff, kv_bytes_per_rank=res.kv_bytes_per_rank,
@@ -496,7 +498,7 @@ def _run_cp(args: argparse.Namespace, prompts, prefix, progress) -> int:
         if res.cache is not None:
             payload.update(second_pass_logits=res.cache["second"].tolist(), hits=res.cache["hits"],
                            evicted_pages=res.cache["evicted_pages"], hicache=res.cache["hicache"],
-                           l3=res.cache.get("l3"))
+                           l3=res.cache.get("l3"), cuda_graph_replays=replays)
         _write_json(args.json, payload, progress)
     cache_ok = True
     if res.cache is not None:

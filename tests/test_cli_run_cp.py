@@ -94,6 +94,27 @@ def test_run_cp2_json_matches_single_device(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
+def test_cp2_cache_passes_in_graph_buckets(tmp_path, monkeypatch):
+    """``run --cp 2 --cache --cuda-graphs`` (its ``CPRunSpec``; on CPU the buckets are padded, not captured): both
+    cache passes run in row buckets on both ranks and still equal one device."""
+    ranks_from_the_fork_server(monkeypatch, cp_run)
+    ckpt = _two_layer_checkpoint(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 512, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (9, 30)] + [
+        torch.randint(0, 512, (21,), generator=g).tolist()]
+    spec = cp_run.CPRunSpec(model=ckpt, prompts=prompts, prefix_lens=[0, 0, 0], cp=2, backend="aot_eager",
+                            cache=True, cuda_graphs=True)
+    res = cp_run.run_cp(spec)
+    assert res.ranks_agree and res.cache["graph_buckets"] >= 2  # the cold pass and the warm (cache-hit) pass
+    ref = res.reference
+    tol = 1e-5 * ref.abs().max().item()
+    torch.testing.assert_close(res.logits, ref, rtol=0, atol=tol)
+    torch.testing.assert_close(res.cache["second"], ref, rtol=0, atol=tol)
+    assert res.cache["hits"][1]["device"] > 0  # the warm pass read the shared prefix from the cache
+
+
+@pytest.mark.slow
 def test_checkpoint_error_in_the_ranks_is_one_line(tmp_path, capsys, monkeypatch):
     """The parent reads only config.json; a weight mismatch found by the ranks still ends as one line, exit 2."""
     ranks_from_the_fork_server(monkeypatch, cp_run)

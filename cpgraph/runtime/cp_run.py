@@ -58,6 +58,7 @@ class CPRunSpec:
     log_level: int | None = None  # logging level for the cpgraph logger in each rank (None: leave as is)
     draft: bool = False  # also run the MTP draft layer (a second compiled graph) after the target
     deterministic: bool = False  # CPConfig(deterministic=True); the eager reference runs in the mode too
+    cuda_graphs: bool = False  # with cache: each pass in a graph bucket (CUDA: captured and replayed; CPU: padded)
 
 
 @dataclass
@@ -234,10 +235,17 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool, report:
     from cpgraph.runtime.engine import EngineResult
 
     pages = default_capacity(spec.prompts, spec.page_size)
+    if spec.cuda_graphs:  # every rank pads to the same bucket (the plan's lengths pick it) and replays its graph
+        from cpgraph.runtime.graph_runner import graphed_forward
+
+        forward = graphed_forward(forward, max_requests=len(spec.prompts), cp_size=spec.cp)
     engine = CacheEngine(forward, model, num_pages=pages, kv_format=spec.kv_format, page_size=spec.page_size,
                          rank=rank, cp_size=spec.cp, host_pages=pages if spec.evict or spec.l3 else 0,
                          host_layout=spec.host_layout, write_policy=spec.write_policy, group=dist.group.WORLD,
                          l3=spec.l3)
+    if spec.cuda_graphs:
+        for t in engine.pools[0] + engine.pools[1]:
+            torch._dynamo.mark_static_address(t)  # a captured graph binds the pools' addresses
     report(f"compiling ({spec.backend}) in the first (cold) cache pass", every_rank=True)
     t0 = time.perf_counter()
     first = engine.prefill(spec.prompts, progress=lambda m: report(f"cold pass: {m}"))
@@ -270,6 +278,10 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool, report:
         "first_seconds": first_s,
         "second_seconds": second_s,
     }
+    if spec.cuda_graphs:
+        from cpgraph.runtime.graph_runner import graph_counts
+
+        summary["graph_replays"], summary["graph_buckets"] = graph_counts(forward)
     bpp = engine.pool.bytes_per_page()
     owned = int(engine.device.ledger.used[rank])
     total = int(engine.device.ledger.used.sum())
