@@ -118,7 +118,7 @@ cp2)
     step cp2_tests python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/serve/test_serve_gpu.py::test_cp2_cuda_graph_server_replays_and_matches_prefill_logits \
         tests/runtime/test_bucket_padding_cp.py::test_cuda_capture_pads_a_cached_prefix_under_cp
-    step cp2_run_graphs python3 -m cpgraph run --model tiny-glm5 --prefix-lens 64,0,0,16 --cp 2 --device cuda \
+    step cp2_run_graphs python3 -m cpgraph run --model tiny-glm5 --cp 2 --device cuda \
         --cache --cuda-graphs --json "$OUT/cp2_run_graphs.json"
     ;;
 esac
