@@ -78,7 +78,7 @@ import numpy as np
 import torch
 
 from cpgraph.ops.checks import debug_enabled
-from cpgraph.ops.layer_events import hooks_installed, layer_hooks
+from cpgraph.ops.layer_events import layer_hooks
 from cpgraph.plan import plan_prefill
 
 from .cache_engine import CacheEngine, PrefixMatch
@@ -693,10 +693,9 @@ class PrefillEngine:
             t0 = time.perf_counter()
             replays0, prepared0 = graph_counts(self.cache.forward)
             compiles0 = _compiles()
-            # No load-back to wait for and no hook installed: the with-block would install None over None
-            # and restore it (a generator context manager, several Python calls on every step).
-            with layer_hooks(on_ready=wait_for_layer if loads else None) if loads or hooks_installed() else \
-                    nullcontext():
+            # No load-back to wait for: no block (a generator context manager, several Python calls on every step);
+            # hooks installed by others (a transfer's on_written) stay in place either way.
+            with layer_hooks(on_ready=wait_for_layer) if loads else nullcontext():
                 out, _ = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
                                                                   zip(lives, chunks)],
                                        [t for t, _ in tables], [o[: s // ps] for (_, o), (_, s, _) in
