@@ -244,8 +244,9 @@ def _cached_runs(spec: CPRunSpec, forward, model, rank: int, cuda: bool, report:
                          host_layout=spec.host_layout, write_policy=spec.write_policy, group=dist.group.WORLD,
                          l3=spec.l3)
     if spec.cuda_graphs:
-        for t in engine.pools[0] + engine.pools[1]:
-            torch._dynamo.mark_static_address(t)  # a captured graph binds the pools' addresses
+        from cpgraph.runtime.graph_runner import bind_pool_addresses
+
+        bind_pool_addresses(engine.pools[0] + engine.pools[1])
     report(f"compiling ({spec.backend}) in the first (cold) cache pass", every_rank=True)
     t0 = time.perf_counter()
     first = engine.prefill(spec.prompts, progress=lambda m: report(f"cold pass: {m}"))

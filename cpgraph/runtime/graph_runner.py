@@ -95,6 +95,16 @@ def bucket_ladder(lo: int, hi: int, steps: int = 2) -> tuple[int, ...]:
         e += 1
 
 
+DEFAULT_ROW_BUCKETS = bucket_ladder(16, DEFAULT_MAX_ROWS, 2)  # 16, 24, 32, 48, ..., 8192
+
+
+def bind_pool_addresses(tensors) -> None:
+    """Mark KV pool tensors as static for a compiled forward that CUDA graphs capture: a graph binds their
+    addresses, so the compiled code must not treat them as inputs it may copy."""
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)
+
+
 def pick_bucket(ladder: Sequence[int], n: int, what: str) -> int:
     """Smallest ladder value >= ``n``; ``ValueError`` past the largest bucket."""
     for v in ladder:
@@ -230,7 +240,7 @@ class GraphRunner:
             raise ValueError(f"graph_runner: max_requests must be >= 1, got {max_requests}")
         self.forward = forward
         self.max_requests = int(max_requests)
-        self.row_buckets = tuple(row_buckets or bucket_ladder(16, DEFAULT_MAX_ROWS, 2))
+        self.row_buckets = tuple(row_buckets or DEFAULT_ROW_BUCKETS)
         self.kv_buckets = tuple(kv_buckets or bucket_ladder(64, DEFAULT_MAX_KV_ROWS, 4))
         for name, lad in (("row_buckets", self.row_buckets), ("kv_buckets", self.kv_buckets)):
             if any(b <= a for a, b in zip(lad, lad[1:])) or lad[0] < 1:
@@ -470,7 +480,7 @@ def graphed_forward(model_forward: Callable, *, max_requests: int, cp_size: int 
     from cpgraph.models.model import ForwardOutput
 
     runners: dict[tuple, GraphRunner] = {}
-    row_buckets = tuple(runner_kw.get("row_buckets") or bucket_ladder(16, DEFAULT_MAX_ROWS, 2))
+    row_buckets = tuple(runner_kw.get("row_buckets") or DEFAULT_ROW_BUCKETS)
 
     def forward(input_ids, meta, mla_pools, index_pools, **kw):
         if any(kw.values()):

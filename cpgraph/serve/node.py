@@ -121,8 +121,9 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
                            request_timeout=spec.request_timeout, max_prompt_tokens=spec.max_prompt_tokens,
                            l3=spec.l3)
     if spec.cuda_graphs and spec.backend != "eager":
-        for t in engine.cache.pools[0] + engine.cache.pools[1]:
-            torch._dynamo.mark_static_address(t)  # a captured graph binds the pools' addresses
+        from cpgraph.runtime.graph_runner import bind_pool_addresses
+
+        bind_pool_addresses(engine.cache.pools[0] + engine.cache.pools[1])
     if transfer is not None:
         engine.transfer = transfer(engine)
     return engine

@@ -123,9 +123,9 @@ def test_cache_hit_cp_equals_single_device(world, layout, graphs):
     for r in results:  # no leaked pages: a rank's lane holds exactly the owned pages the tree references
         assert r["lane_used"] == r["owned_in_tree"]
     if graphs:  # every pass went through the runner, in row buckets (16, 24, 32, ...: never the raw rows)
-        from cpgraph.runtime.graph_runner import bucket_ladder
+        from cpgraph.runtime.graph_runner import DEFAULT_ROW_BUCKETS
 
-        assert r0["bucket_calls"] >= 4 and set(r0["bucket_rows"]) <= set(bucket_ladder(16, 8192, 2)), r0
+        assert r0["bucket_calls"] >= 4 and set(r0["bucket_rows"]) <= set(DEFAULT_ROW_BUCKETS), r0
     bitwise = {n: bool(np.array_equal(r0[n]["logits"], cold)) for n in ("device", "host")}
     print(f"\ncp={world} {layout}: step seconds {r0['times']}; warm passes bit-identical to cold: {bitwise}; stats {r0['stats']}")
 
