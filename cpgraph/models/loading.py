@@ -25,15 +25,16 @@ FP8 block-quantized checkpoints (``quantization_config`` with
 ``quant_method: fp8``) are checked against their config before any tensor
 is read and loaded dequantized or with e4m3 weights kept
 (``weights="fp8"``); the rules live in :mod:`.fp8`.
+
+The pieces live in their own modules: :mod:`.build` (building and random
+initialisation), :mod:`.checkpoint_files` (reading safetensors shards),
+:mod:`.local_experts` (expert-parallel reads), :mod:`.memory_check`
+(the memory estimate and check).  Their public names stay importable from
+here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-import math
-import os
 import re
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -43,22 +44,32 @@ from torch import Tensor
 
 from .config import DSAConfig, bundled_config_dict, bundled_names
 from . import fp8 as fp8ckpt
-from .model import DecoderLayer, DSAForCausalLM
-from .layers import RotaryTable
-from .moe import expert_shard, local_expert_range, shard_experts
+from .build import _keeps_fp32, _materialize, build_model, init_random, resolve_dtype, tiny_model
+from .checkpoint_files import (_catalog, _read_json, _read_tensors, _safetensors_entries, _safetensors_files,
+                               _staged_bytes)
+from .local_experts import _EXPERT_RE, _PER_EXPERT_RE, _expert_range, _local_experts
+from .memory_check import MEMORY_LIMIT_ENV, check_memory, estimate_model_bytes
+from .model import DSAForCausalLM
+from .moe import expert_shard, shard_experts
 from .mtp import checkpoint_name as draft_checkpoint_name
 from .mtp import draft_layer_config
 
-# Tensors kept in fp32 whatever the requested dtype (transformers does the same).
-_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
-_EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# The public names: some defined in the modules above, all importable from here as before.
+__all__ = [
+    "MEMORY_LIMIT_ENV",
+    "WeightLoadError",
+    "build_model",
+    "check_memory",
+    "estimate_model_bytes",
+    "from_hf",
+    "from_pretrained",
+    "init_random",
+    "load_state",
+    "resolve_dtype",
+    "tiny_model",
+]
+
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-MEMORY_LIMIT_ENV = "CPGRAPH_MEMORY_LIMIT"
-
-log = logging.getLogger(__name__)
 
 
 class WeightLoadError(ValueError):
@@ -71,66 +82,6 @@ class WeightLoadError(ValueError):
             if items:
                 parts.append(f"{len(items)} {title}:\n  " + "\n  ".join(items))
         super().__init__("checkpoint does not match the model config:\n" + "\n".join(parts))
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
-
-
-def _keeps_fp32(name: str) -> bool:
-    return name.endswith(_FP32_SUFFIXES)
-
-
-def build_model(cfg: DSAConfig, dtype=torch.float32, device="cpu", *, draft: bool = False) -> DSAForCausalLM:
-    """An uninitialised model in ``dtype`` (fp32-kept tensors stay fp32); ``draft``: with the MTP layer."""
-    dtype = resolve_dtype(dtype)
-    with torch.device(device):
-        model = DSAForCausalLM(cfg, draft=draft)
-    for name, p in model.named_parameters():
-        if not _keeps_fp32(name):
-            p.data = p.data.to(dtype)
-    return model.eval()
-
-
-def init_random(model: DSAForCausalLM, seed: int = 0, std: float = 0.02) -> DSAForCausalLM:
-    """Deterministic random weights (same seed -> same weights on any machine).
-
-    Matrices ~ N(0, std); norm weights ~ 1 + N(0, 0.1) so that a wrong norm
-    placement shows in the logits; biases and the router correction bias small
-    random.  Drawn in fp32 on the CPU in sorted-name order, then cast.
-    """
-    g = torch.Generator().manual_seed(seed)
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    with torch.no_grad():
-        for name in sorted(tensors):
-            t = tensors[name]
-            if name.endswith("inv_freq"):
-                continue
-            if re.search(r"(norm|layernorm)\.weight$", name):
-                v = 1 + 0.1 * torch.randn(t.shape, generator=g)
-            elif name.endswith("bias"):
-                v = 0.05 * torch.randn(t.shape, generator=g)
-            else:
-                v = std * torch.randn(t.shape, generator=g)
-            t.copy_(v.to(t.dtype))
-    return model
-
-
-def tiny_model(name: str, dtype=torch.float32, seed: int = 0, device="cpu", *, draft: bool = False) -> DSAForCausalLM:
-    """A bundled tiny config (see :func:`bundled_names`) with seeded random weights.
-
-    ``draft=True`` adds a random MTP draft layer; its tensors sort after the
-    target's, so the target's weights are the same with or without it.
-    """
-    d = bundled_config_dict(name)
-    cfg = DSAConfig.from_hf_dict(d)
-    model = build_model(cfg, dtype, device, draft=draft)
-    return init_random(model, seed=seed, std=float(d.get("initializer_range", 0.02)))
 
 
 # ---------------------------------------------------------------- checking
@@ -245,316 +196,6 @@ def from_hf(hf_model, dtype=None, device="cpu", *, ep_rank: int = 0, ep_size: in
     if experts is not None:
         named = _local_experts(((n, lambda rows, t=t: t if rows is None else t[rows]) for n, t in named), experts)
     return load_state(model, named)
-
-
-def _read_json(path: Path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-
-
-def _inside(root: Path, name, where: str) -> Path:
-    """``root / name``, refused unless ``name`` is a relative path that stays inside ``root``.
-
-    Why: an index is data, and it must not make the loader read files outside
-    the checkpoint the caller pointed at (``/etc/...``, ``../other``).  The
-    check is lexical: symlinks that live in the checkpoint directory are the
-    directory owner's choice and are followed, which is what a Hugging Face hub
-    cache snapshot (files linking to ``../../blobs``) needs.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{where} names a shard that is not a file name: {name!r}")
-    if Path(name).is_absolute():
-        raise ValueError(f"{where} names shard {name!r} by an absolute path; shards must lie inside {root}")
-    parts = Path(os.path.normpath(name)).parts
-    if not parts or parts[0] == "..":
-        raise ValueError(f"{where} names shard {name!r}, which resolves outside the checkpoint directory {root}")
-    return root / name
-
-
-def _safetensors_files(root: Path) -> list[Path]:
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        data = _read_json(index)
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: weight_map must be a non-empty object mapping tensor names to shard files")
-        files = sorted({_inside(root, v, str(index)) for v in weight_map.values()})
-        absent = [str(p.name) for p in files if not p.is_file()]
-        if absent:
-            raise ValueError(f"{index} names shard files that do not exist: {', '.join(absent)}")
-        return files
-    files = sorted(_inside(root, p.name, str(root)) for p in root.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{root} holds no *.safetensors files")
-    return files
-
-
-def _shard_error(path: Path, exc: Exception) -> ValueError:
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return ValueError(f"{path}: not a valid safetensors file (truncated or corrupt?): {reason}")
-
-
-def _catalog(files: list[Path]) -> dict[str, "fp8ckpt.TensorInfo"]:
-    """Every shard's header (names, dtypes, shapes), read before any tensor: a bad shard fails here."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    out[key] = fp8ckpt.TensorInfo(sl.get_dtype(), tuple(sl.get_shape()))
-        except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
-            raise _shard_error(path, exc) from None
-    return out
-
-
-def _read_tensors(files: list[Path], names: set[str]) -> dict[str, Tensor]:
-    """Read only ``names`` (small tensors the loader needs before streaming the rest)."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in names.intersection(f.keys()):
-                    out[key] = f.get_tensor(key)
-        except Exception as exc:
-            raise _shard_error(path, exc) from None
-    return out
-
-
-# --------------------------------------------------- expert-parallel shards
-# Any per-expert tensor (weights, and scales of quantised checkpoints) and the stacked expert tensors.
-_PER_EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
-_STACKED_EXPERTS_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_ST_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                   "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-
-
-def _expert_range(cfg: DSAConfig, ep_rank: int, ep_size: int) -> tuple[int, int] | None:
-    """The routed experts this rank keeps, or ``None`` for all (``ep_size == 1``)."""
-    if ep_size == 1 and ep_rank == 0:
-        return None
-    return local_expert_range(cfg.n_routed_experts, ep_rank, ep_size)
-
-
-def _local_experts(entries, experts: tuple[int, int]) -> Iterator[tuple[str, Tensor]]:
-    """``(name, tensor)`` pairs with only the routed experts ``[start, stop)`` read.
-
-    ``entries`` yields ``(name, read)`` where ``read(rows)`` returns the
-    tensor (``rows=None``) or its leading-dim slice.  Per-expert tensors of
-    other experts are never read; stacked ``[E, ...]`` tensors are read as
-    their ``[start, stop)`` rows only; per-expert weights of local experts
-    are stacked here, layer by layer, into the layout the sharded model
-    holds.  So host memory is bounded by the local share plus one layer's
-    stack.  An incomplete local set is passed through under its own names
-    for :func:`load_state` to report.
-    """
-    start, stop = experts
-    parts: dict[str, dict[tuple[int, str], Tensor]] = {}
-    for name, read in entries:
-        m = _PER_EXPERT_RE.match(name)
-        if m is not None:
-            if not start <= int(m.group(1)) < stop:
-                continue
-            w = _EXPERT_RE.match(name)
-            if w is None:
-                yield name, read(None)
-            else:
-                parts.setdefault(w.group(1), {})[(int(w.group(3)), w.group(4))] = read(None)
-            continue
-        yield name, read(slice(start, stop) if _STACKED_EXPERTS_RE.match(name) else None)
-    kinds = ("gate_proj", "up_proj", "down_proj")
-    for prefix in list(parts):
-        got = parts.pop(prefix)
-        complete = len(got) == 3 * (stop - start) and all((j, k) in got for j in range(start, stop) for k in kinds)
-        if complete and all(got[(j, "gate_proj")].shape == got[(j, "up_proj")].shape == got[(start, "gate_proj")].shape
-                            and got[(j, "down_proj")].shape == got[(start, "down_proj")].shape
-                            for j in range(start, stop)):
-            yield f"{prefix}.gate_up_proj", torch.stack(
-                [torch.cat((got.pop((j, "gate_proj")), got.pop((j, "up_proj"))), 0) for j in range(start, stop)])
-            yield f"{prefix}.down_proj", torch.stack([got.pop((j, "down_proj")) for j in range(start, stop)])
-        else:
-            for (j, k), t in sorted(got.items()):
-                yield f"{prefix}.{j}.{k}.weight", t
-
-
-def _safetensors_entries(files: list[Path]):
-    """``(name, read)`` per checkpoint tensor, read lazily (``safe_open`` + ``get_slice``) by :func:`_local_experts`."""
-    from safetensors import safe_open
-
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    def read(rows, key=key, f=f, path=path):
-                        try:
-                            return f.get_tensor(key) if rows is None else f.get_slice(key)[rows]
-                        except Exception as exc:
-                            raise _shard_error(path, exc) from None
-                    yield key, read
-        except GeneratorExit:
-            raise
-        except Exception as exc:
-            raise _shard_error(path, exc) from None
-
-
-def _staged_bytes(files: list[Path], experts: tuple[int, int] | None, num_experts: int) -> int:
-    """Checkpoint bytes the loader holds in host RAM: the files, or with ``experts`` the local share (headers only)."""
-    if experts is None:
-        return sum(p.stat().st_size for p in files)
-    from safetensors import safe_open
-
-    start, stop = experts
-    total = 0
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                m = _PER_EXPERT_RE.match(key)
-                if m is not None and not start <= int(m.group(1)) < stop:
-                    continue
-                sl = f.get_slice(key)
-                n = _ST_DTYPE_BYTES.get(sl.get_dtype(), 8) * math.prod(sl.get_shape())
-                total += n * (stop - start) // num_experts if _STACKED_EXPERTS_RE.match(key) else n
-    return total
-
-
-# ------------------------------------------------------------- memory check
-def estimate_model_bytes(cfg: DSAConfig, dtype=torch.float32) -> int:
-    """Bytes ``build_model(cfg, dtype)`` allocates (parameters and buffers), without allocating them.
-
-    Builds one decoder layer of each (MLP kind, indexer kind) on the meta
-    device and multiplies by the number of such layers, so the cost does not
-    grow with the layer count and the module code stays the one source of
-    truth for shapes.
-    """
-    dtype = resolve_dtype(dtype)
-
-    def nbytes(module, prefix: str) -> int:
-        total = 0
-        for name, p in module.named_parameters():
-            size = 4 if _keeps_fp32(prefix + name) else dtype.itemsize
-            total += p.numel() * (size if p.dtype.is_floating_point else p.element_size())
-        return total + sum(b.numel() * b.element_size() for b in module.buffers())
-
-    kinds: dict[tuple[str, str], list[int]] = {}
-    for i, kind in enumerate(zip(cfg.mlp_layer_types, cfg.indexer_types)):
-        kinds.setdefault(kind, []).append(i)
-    try:
-        with torch.device("meta"):
-            total = nbytes(DSAForCausalLM(dataclasses.replace(cfg, num_hidden_layers=0, mlp_layer_types=(),
-                                                              indexer_types=())), "")
-            for layers in kinds.values():
-                total += len(layers) * nbytes(DecoderLayer(cfg, layers[0]), f"model.layers.{layers[0]}.")
-    except (RuntimeError, OverflowError) as exc:
-        raise ValueError(f"the config describes tensors too large to build: {str(exc).splitlines()[0]}") from None
-    return total
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB ({n} bytes)"
-
-
-def _host_available() -> int | None:
-    """Available host RAM (Linux ``MemAvailable``), or ``None`` when the platform does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _memory_limit(memory_limit):
-    """``None`` (detect), ``"off"``, or a byte count, from the argument or else ``CPGRAPH_MEMORY_LIMIT``."""
-    source = "memory_limit"
-    if memory_limit is None:
-        memory_limit = os.environ.get(MEMORY_LIMIT_ENV) or None
-        source = MEMORY_LIMIT_ENV
-        if isinstance(memory_limit, str) and memory_limit.strip().isdigit():
-            memory_limit = int(memory_limit.strip())
-    if memory_limit is None or memory_limit == "off":
-        return memory_limit
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 1:
-        raise ValueError(f"{source} must be a positive number of bytes or 'off', got {memory_limit!r}")
-    return memory_limit
-
-
-def check_memory(cfg: DSAConfig, dtype, device, *, staged_bytes: int = 0, memory_limit=None, what: str = "model",
-                 saved_bytes: int = 0) -> int:
-    """Refuse (``ValueError``) before allocating when the model cannot fit; returns the estimated model bytes.
-
-    ``staged_bytes``: checkpoint bytes held in host RAM while loading (the
-    loader reads every tensor before copying any, so a failed load changes
-    nothing).  On ``cuda`` the model must fit the device's free memory and the
-    staged checkpoint the host's; on ``cpu`` both share host RAM.
-    ``memory_limit`` (bytes) replaces the detected amounts; ``"off"`` skips
-    the check.  ``saved_bytes``: what FP8 weights save against ``dtype``.
-    """
-    limit = _memory_limit(memory_limit)
-    need = estimate_model_bytes(cfg, dtype) - saved_bytes  # saved_bytes: FP8 weights kept at 1 byte
-    if limit == "off":
-        return need
-    dev = torch.device(device)
-    if dev.type == "meta":
-        return need
-    checks = []  # (bytes needed, where, available)
-    if dev.type == "cuda":
-        if limit is None:
-            free, _ = torch.cuda.mem_get_info(dev)
-        checks.append((need, f"device memory on {dev}", limit if limit is not None else free))
-        if staged_bytes:
-            checks.append((staged_bytes, "host RAM (checkpoint staging)", limit if limit is not None else _host_available()))
-    elif dev.type == "cpu":
-        checks.append((need + staged_bytes, "host RAM", limit if limit is not None else _host_available()))
-    else:
-        if limit is None:
-            log.warning("from_pretrained: no memory check for device type %r (cannot query its free memory)", dev.type)
-            return need
-        checks.append((need, f"memory on {dev}", limit))
-    for want, where, available in checks:
-        if available is None:
-            log.warning("from_pretrained: cannot tell how much %s is available; skipping the memory check", where)
-            continue
-        if want > available:
-            detail = f"{need} bytes of weights in {resolve_dtype(dtype)}"
-            if staged_bytes and "host" in where:
-                detail += f" + {staged_bytes} bytes of checkpoint read before copying"
-            raise ValueError(
-                f"{what} needs about {_gib(want)} of {where} ({detail}) but {_gib(available)} is available; "
-                f"use a smaller dtype, or override with memory_limit= / {MEMORY_LIMIT_ENV}=BYTES|off"
-            )
-    return need
-
-
-def _materialize(model: DSAForCausalLM, cfg: DSAConfig, device) -> DSAForCausalLM:
-    """Allocate a meta-built model on ``device`` (uninitialised); recompute what loading does not fill.
-
-    Every persistent tensor is then written by :func:`load_state`, which
-    reports any the checkpoint lacks.  The only non-persistent buffer is the
-    RoPE table, rebuilt here; a module that adds another one makes this
-    raise rather than leave it uninitialised.
-    """
-    persistent = set(model.state_dict())
-    derived = sorted(n for n, _ in model.named_buffers() if n not in persistent)
-    if derived != ["model.rotary.inv_freq"]:
-        raise RuntimeError(f"cannot rebuild non-persistent buffers {derived} of a meta-built model")
-    model.to_empty(device=device)
-    with torch.device(device):
-        model.model.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim)
-    return model
 
 
 def from_pretrained(path, dtype=None, device="cpu", seed: int = 0, *, memory_limit=None, ep_rank: int = 0,

@@ -291,13 +291,14 @@ def _full_size_checkpoint(tmp_path):
 
 def test_from_pretrained_refuses_before_allocating(tmp_path, monkeypatch):
     import cpgraph.models.loading as loading
+    import cpgraph.models.memory_check as memory_check
 
     def no_alloc(*a, **k):
         raise AssertionError("build_model ran: the model would have been allocated")
 
     root = _full_size_checkpoint(tmp_path)
     monkeypatch.setattr(loading, "build_model", no_alloc)
-    monkeypatch.setattr(loading, "_host_available", lambda: 64 * 2**30)
+    monkeypatch.setattr(memory_check, "_host_available", lambda: 64 * 2**30)
     monkeypatch.delenv("CPGRAPH_MEMORY_LIMIT", raising=False)
     with pytest.raises(ValueError) as err:
         from_pretrained(root)
@@ -319,10 +320,11 @@ def test_from_pretrained_refuses_before_allocating(tmp_path, monkeypatch):
 
 def test_memory_check_on_cuda_uses_device_free_memory(monkeypatch):
     import cpgraph.models.loading as loading
+    import cpgraph.models.memory_check as memory_check
 
     cfg = DSAConfig.from_hf_dict(bundled_config_dict("tiny-glm5"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1000, 2000))
-    monkeypatch.setattr(loading, "_host_available", lambda: 2**40)
+    monkeypatch.setattr(memory_check, "_host_available", lambda: 2**40)
     with pytest.raises(ValueError, match=r"of device memory on cuda:0 .* but 0.00 GiB \(1000 bytes\) is available"):
         loading.check_memory(cfg, torch.float32, "cuda:0")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2**40, 2**41))
