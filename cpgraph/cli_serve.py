@@ -50,6 +50,7 @@ EXAMPLES: dict[str | None, str] = {
     "--timeout": "cpgraph serve --model tiny-glm5 --cp 2 --backend aot_eager --timeout 1800",
     "--quiet": "cpgraph serve --model tiny-glm5 --quiet",
     "--deterministic": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --deterministic",
+    "--draft": "cpgraph serve --model ./DeepSeek-V3.2 --device cuda --backend inductor --draft --kv-transfer",
 }
 
 
@@ -121,6 +122,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="every request's logits and KV bytes depend only on that request and the model, never on "
                         "the batch, the cached prefix, the chunking or the CP size: row-invariant products "
                         "(docs/deterministic.md; slower)")
+    s.add_argument("--draft", action="store_true",
+                   help="also prefill the MTP draft layer (model.layers.{num_hidden_layers}; bundled models: a random "
+                        "one) after the target on every step: its KV is cached and sent with the target's, and each "
+                        "choice reports draft_token_ids, the draft's guess after the first token (docs/mtp.md); not "
+                        "with --cuda-graphs")
     s.set_defaults(func=main)
     return s
 
@@ -132,6 +138,7 @@ def _positive(name: str, value, minimum: int = 1) -> None:
 
 def spec_from_args(args):
     """Check the flags (no model is loaded) and return the :class:`~cpgraph.serve.node.ServeSpec`."""
+    from cpgraph.models.config import bundled_names
     from cpgraph.runtime.inputs import check_mooncake, check_weights, model_config
 
     missing = [m for m in ("aiohttp", "prometheus_client") if importlib.util.find_spec(m) is None]
@@ -177,12 +184,17 @@ def spec_from_args(args):
             raise InputError("--cuda-graphs captures on cuda (--device cuda or auto on a GPU machine)")
         if args.host_pages:
             raise InputError("--cuda-graphs does not take --host-pages (HiCache load-back waits on the host)")
+        if args.draft:
+            raise InputError("--draft is not served with --cuda-graphs yet (the draft runs after the target's "
+                             "sampled token, outside the captured buckets); drop one of them")
     if args.l3 is not None:
         if not args.host_pages:
             raise InputError("--l3 needs --host-pages N (the L3 sits behind the L2 host pool)")
         check_l3(args.l3, cuda_graphs=args.cuda_graphs)
     cfg = model_config(args.model)  # config.json only: bad names fail before any weight is read
     check_weights(args.model, args.weights, cfg)
+    if args.draft and cfg.num_nextn_predict_layers < 1 and str(args.model) not in bundled_names():
+        raise InputError(f"--draft: {args.model} declares no MTP layer (num_nextn_predict_layers is 0 or absent)")
     if args.kv_transfer:
         check_mooncake()
     from cpgraph.serve.node import ServeSpec
@@ -196,7 +208,7 @@ def spec_from_args(args):
                      cuda_graphs=args.cuda_graphs, kv_transfer=args.kv_transfer, warmup_tokens=args.warmup_tokens,
                      warmup_prefix_tokens=args.warmup_prefix_tokens, derive_kv_bucket=not args.own_kv_buckets,
                      timeout=args.timeout, log_level=logging.getLogger("cpgraph").level,
-                     deterministic=args.deterministic)
+                     deterministic=args.deterministic, draft=args.draft)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -121,7 +121,8 @@ def forward_batch(forward: Callable, plan, tokens, tables, prefix_owners, pools,
     ``draft``: the MTP draft forward; it then runs on the target's local
     hidden rows with ``draft_pools`` (its layer's pools), taking each row's
     next token from ``prompts`` (whole token lists) and, for a request's last
-    prompt row, from ``sampled`` (default: the target's greedy token).
+    prompt row, from ``sampled`` (default: the target's greedy token; a
+    callable is called with the target's output and returns the ``[B]`` ids).
     Returns ``(output, meta, draft_output, sampled)`` then.
     """
     from cpgraph.models.batch import build_batch, build_draft_inputs
@@ -132,7 +133,9 @@ def forward_batch(forward: Callable, plan, tokens, tables, prefix_owners, pools,
     if draft is None:
         return forward(ids, meta, mla, index, **kw), meta
     out = forward(ids, meta, mla, index, return_local_hidden=True, **kw)
-    if sampled is None:
+    if callable(sampled):  # chosen from the target's output (the serving engine's sampling, on every rank)
+        sampled = sampled(out)
+    elif sampled is None:
         sampled = out.logits.argmax(-1)  # every rank holds the same logits, so the same tokens
     dinputs = build_draft_inputs(plan, prompts, sampled, device, rank=rank)
     dout = draft(out.local_hidden, dinputs, meta, *draft_pools)

@@ -275,19 +275,20 @@ def _dtype(name):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[name]
 
 
-def load_rank_model(spec: LaunchSpec, layout: RankLayout, group_rank: int):
+def load_rank_model(spec: LaunchSpec, layout: RankLayout, group_rank: int, *, draft: bool = False):
     """This rank's model as ``spec`` asks (dtype, FP8 weights, its expert shard) and its KV layout.
 
     With EP each rank builds and reads only its routed experts (rank ``j``
     of the group: shard ``j``); ``spec.weights == "fp8"`` keeps the FP8
-    checkpoint's e4m3 projections (``from_pretrained(..., weights="fp8")``).
+    checkpoint's e4m3 projections (``from_pretrained(..., weights="fp8")``); ``draft`` also loads
+    the MTP draft layer (docs/mtp.md).
     Raises :class:`InputError` (through :func:`user_input`) for a bad checkpoint.
     """
     from cpgraph.models import from_pretrained
     from cpgraph.models.prefill import make_layout
 
     shard = dict(ep_rank=group_rank % layout.ep, ep_size=layout.ep) if layout.ep > 1 else {}
-    model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), weights=spec.weights, **shard)
+    model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), weights=spec.weights, draft=draft, **shard)
     return model, make_layout(model, spec.kv_format, spec.page_size)
 
 

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -82,7 +83,7 @@ from cpgraph.ops.layer_events import layer_hooks
 from cpgraph.plan import plan_prefill
 
 from .cache_engine import CacheEngine, PrefixMatch
-from .engine import forward_batch
+from .engine import draft_pools, forward_batch
 from .graph_runner import graph_counts
 from .radix import TokenKey, check_consistent
 from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
@@ -121,6 +122,10 @@ class _Live:
         self.l3_checked = False  # leader: its L3 lookup ran (a prefetch started, or nothing to fetch)
         self.t_submit, self.t_admit, self.deadline = now, None, deadline
         self.transfer_s, self.transfer_ok, self.sent_pages, self.chunks = 0.0, True, 0, 0
+        # With a draft: how the first token is chosen (on every rank: the draft reads it), the chosen token
+        # (the radix node's next token when the prompt ends on a page boundary) and the draft's guess after it.
+        self.sampling: Sampling | None = None
+        self.first_token, self.draft_token = -1, None
 
     def remaining(self) -> int:
         """Prompt tokens still to compute (the chunks not run yet)."""
@@ -146,10 +151,15 @@ class PrefillEngine:
                  write_policy: str = "write_through", group=None, control_group=None, src: int = 0,
                  scheduler: SchedulerConfig | None = None, request_timeout: float | None = None,
                  max_prompt_tokens: int | None = None, transfer=None, clock: Callable[[], float] = time.monotonic,
-                 l3=None):
+                 l3=None, draft: Callable | None = None):
+        if draft is not None and getattr(forward, "runners", None) is not None:
+            raise ValueError("prefill engine: the MTP draft is not served over CUDA-graph buckets (a graphed "
+                             "forward); run the target without graphs")
         self.cache = CacheEngine(forward, model, num_pages=num_pages, kv_format=kv_format, page_size=page_size,
                                  rank=rank, cp_size=cp_size, host_pages=host_pages, host_layout=host_layout,
-                                 write_policy=write_policy, group=group, l3=l3)
+                                 write_policy=write_policy, group=group, l3=l3, draft=draft)
+        self.draft = draft
+        self._draft_pools = draft_pools(self.cache.pool, model) if draft is not None else None
         self.model, self.page_size, self.rank, self.cp_size = model, page_size, rank, cp_size
         self.device = model.device  # read once: the property walks the parameters
         self.vocab = model.config.vocab_size
@@ -212,6 +222,7 @@ class PrefillEngine:
                 timeout = request.timeout if request.timeout is not None else self.request_timeout
                 live = _Live(rid, tokens, request.transfer_room, handle, now,
                              None if timeout is None else now + timeout, ids)
+                live.sampling = request.sampling
                 self._inbox.append(live)
                 self._lock.notify_all()
                 return handle
@@ -558,10 +569,12 @@ class PrefillEngine:
         elif kind == "l3_drop":
             self.cache.drop_prefetch(self._prefetches.pop(op[1]))
         elif kind == "admit":
-            _, rid, tokens, room, budget = op
+            _, rid, tokens, room, budget, *sampling = op
             live = self._live.get(rid)
             if live is None:  # a follower sees the request for the first time
                 live = self._live[rid] = _Live(rid, list(tokens), room, None, self.clock(), None)
+            if sampling:  # with a draft (the leader's own record already holds it)
+                live.sampling = sampling[0]
             self._admit(live, budget)
         elif kind == "unadmit":
             live = self._live[op[1]]
@@ -638,7 +651,12 @@ class PrefillEngine:
                 return False
         # The match has side effects (node splits, LRU ticks): it is an op, logged even when the
         # request then has to wait (``unadmit``), so every rank's tree goes through the same sequence.
-        self._log(ops, ("admit", live.id, live.tokens, live.room, budget))
+        if self.draft is None:
+            self._log(ops, ("admit", live.id, live.tokens, live.room, budget))
+        else:  # every rank chooses the first token the draft reads: the same rule, and a seed the leader fixed
+            if self.cp_size > 1 and not live.sampling.greedy and live.sampling.seed is None:
+                live.sampling = Sampling(live.sampling.temperature, live.sampling.top_p, _random_seed())
+            self._log(ops, ("admit", live.id, live.tokens, live.room, budget, live.sampling))
         if not live.ends or (live.reserve > self._available()).any():
             # Chunks split a prompt's pages over the lanes a little differently from one pass: a sequence
             # that exceeds a lane's capacity outright can never run, even on an empty pool.
@@ -695,13 +713,20 @@ class PrefillEngine:
             compiles0 = _compiles()
             # No load-back to wait for: no block (a generator context manager, several Python calls on every step);
             # hooks installed by others (a transfer's on_written) stay in place either way.
+            # With a draft, the first tokens are chosen between the target's forward and the draft's (on every
+            # rank: the draft reads them at each finished prompt's last row).
+            picked: dict = {}
+            dkw = {} if self.draft is None else dict(
+                draft=self.draft, draft_pools=self._draft_pools, prompts=[live.tokens for live in lives],
+                sampled=lambda target: self._choose(target.logits, lives, chunks, picked))
             with layer_hooks(on_ready=wait_for_layer) if loads else nullcontext():
-                out, _ = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
-                                                                  zip(lives, chunks)],
-                                       [t for t, _ in tables], [o[: s // ps] for (_, o), (_, s, _) in
-                                                                zip(tables, chunks)],
-                                       self.cache.pools, self.device, rank=self.rank)
-            logits = out.logits
+                ran = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
+                                                               zip(lives, chunks)],
+                                    [t for t, _ in tables], [o[: s // ps] for (_, o), (_, s, _) in
+                                                             zip(tables, chunks)],
+                                    self.cache.pools, self.device, rank=self.rank, **dkw)
+            out = ran[0]
+            logits = out.logits if self.draft is None else ran[2].logits  # (the step's last kernel: its sync)
             if logits.is_cuda:  # the step's time is its GPU time; the first token is read from it right after
                 torch.cuda.current_stream(logits.device).synchronize()  # sync-ok: engine step
             forward_s = time.perf_counter() - t0
@@ -726,7 +751,12 @@ class PrefillEngine:
         if self.is_leader:  # the rows whose first token is chosen now: one device-to-host copy for all of them
             want = [j for j, (live, (_, _, e)) in enumerate(zip(lives, chunks))
                     if e == len(live.tokens) and live.handle is not None]
-            if want:
+            if want and self.draft is not None:  # chosen before the draft ran; its guess after that token
+                choices = {j: picked[j] for j in want}
+                sel = logits if len(want) == logits.shape[0] else logits[want]
+                for j, tok in zip(want, sel.argmax(-1).tolist()):
+                    lives[j].draft_token = tok
+            elif want:
                 reqs = [lives[j].handle.request for j in want]
                 sel = logits if len(want) == logits.shape[0] else logits[want]  # every row: no gather
                 choices = dict(zip(want, first_tokens(sel, [r.sampling for r in reqs],
@@ -736,6 +766,8 @@ class PrefillEngine:
             last = e == len(live.tokens)
             live.done = e if last else live.starts[live.next_chunk]
             choice = choices.get(j)
+            if j in picked:
+                live.first_token = picked[j].token
             if j in early:
                 self._end_send(live, early[j], last, choice)
             elif live.room is not None and self.transfer is not None:
@@ -766,6 +798,20 @@ class PrefillEngine:
             if debug:
                 check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
+
+    def _choose(self, logits, lives: list, chunks: list, picked: dict):
+        """Every rank, between the target's forward and the draft's: the first token of each request whose last
+        chunk ran (same logits, same rule and seed on every rank: the admit op carries them), as the ``[B]`` ids
+        the draft reads at those rows (0 elsewhere: rows inside a prompt read the prompt's next token)."""
+        ends = [j for j, (live, (_, _, e)) in enumerate(zip(lives, chunks)) if e == len(live.tokens)]
+        ids = torch.zeros(len(chunks), dtype=torch.int64)
+        if ends:
+            sel = logits if len(ends) == logits.shape[0] else logits[ends]
+            tops = [lives[j].handle.request.top_logprobs if lives[j].handle is not None else 0 for j in ends]
+            for j, c in zip(ends, first_tokens(sel, [lives[j].sampling for j in ends], tops)):
+                picked[j] = c
+                ids[j] = c.token
+        return ids
 
     def _send(self, live: _Live, table: np.ndarray, s: int, e: int, last: bool, choice) -> None:
         # Every page not sent yet up to this chunk's end: the first chunk also sends the cached prefix, the one
@@ -801,7 +847,9 @@ class PrefillEngine:
         """Insert the prompt's whole pages into the radix cache; free the rest; unlock (as CacheEngine.prefill)."""
         ps, cache = self.page_size, self.cache
         full = len(live.tokens) // ps
-        after = live.tokens[full * ps] if len(live.tokens) > full * ps else -1
+        # The token after the last whole page as its records were computed: the prompt's, or (with a draft, a
+        # prompt ending on a page boundary) the first token the draft was given (docs/mtp.md, prefix caching).
+        after = live.tokens[full * ps] if len(live.tokens) > full * ps else live.first_token
         last_node = cache.commit(live.match, live.pages, live.owners, next_token=after)
         live.own_pages, live.own_owners = [], []  # the tree's now, or freed by commit
         cache.backup_inserted([last_node])  # write_through: L2 copies of the whole path, then L3
@@ -836,6 +884,7 @@ class PrefillEngine:
             res.error = "cancelled by the client" if status == CANCELLED else "the request timed out"
         if choice is not None:
             res.token, res.logprob, res.top_logprobs = choice.token, choice.logprob, choice.top
+            res.draft_token = live.draft_token
         if live.room is not None:
             sent = self.transfer.bytes_sent(live.room) if self.transfer is not None else 0
             res.transfer = {"room": live.room, "ok": status == FINISHED and live.transfer_ok, "bytes_sent": sent}
@@ -853,6 +902,10 @@ class PrefillEngine:
             else:
                 answers.append((live.handle, res))
         return live.handle
+
+
+def _random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 def _deliver(answers: list) -> None:

@@ -50,6 +50,9 @@ class RequestResult:
     transfer: dict | None = None  # {"room", "ok", "bytes_sent"} when the request named a room
     error: str | None = None
     refusal: str | None = None  # with status "refused": one of REFUSALS
+    # With an MTP draft (docs/mtp.md): the draft's greedy guess for the token after ``token``, from its logits
+    # at the prompt's last position (what a decode's first speculative step verifies).
+    draft_token: int | None = None
 
     @property
     def cached(self) -> int:

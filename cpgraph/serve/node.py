@@ -63,6 +63,7 @@ class ServeSpec:
     timeout: float = 600.0  # seconds a CP collective may wait
     log_level: int | None = None
     deterministic: bool = False  # row-invariant products, eager or compiled (docs/deterministic.md)
+    draft: bool = False  # also prefill the MTP draft layer after the target (docs/mtp.md)
 
 
 def served_names(spec: ServeSpec) -> tuple[str, ...]:
@@ -100,8 +101,25 @@ def make_forward(model, spec: ServeSpec, cp_config=None):
     return forward
 
 
+def make_draft(model, spec: ServeSpec, cp_config=None):
+    """The MTP draft forward (``None`` without ``spec.draft``): a second graph over the target's shared modules,
+    compiled with the same passes and backend as the target (docs/mtp.md)."""
+    if not spec.draft:
+        return None
+    draft = model.draft_module()
+    if spec.backend == "eager":
+        if spec.deterministic:
+            from cpgraph.ops.invariant_mode import deterministic_forward
+
+            return deterministic_forward(draft)
+        return draft
+    from cpgraph.passes import CPConfig, compile
+
+    return compile(draft, cp_config or CPConfig(deterministic=spec.deterministic), backend=spec.backend, dynamic=True)
+
+
 def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, control_group=None, src: int = 0,
-                 transfer=None):
+                 transfer=None, draft=None):
     from cpgraph.runtime.prefill_engine import PrefillEngine
     from cpgraph.runtime.scheduler import SchedulerConfig
 
@@ -119,7 +137,7 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
                            kv_format=spec.kv_format, rank=rank, cp_size=spec.cp, host_pages=spec.host_pages,
                            group=group, control_group=control_group, src=src, scheduler=sched,
                            request_timeout=spec.request_timeout, max_prompt_tokens=spec.max_prompt_tokens,
-                           l3=spec.l3)
+                           l3=spec.l3, draft=draft)
     if spec.cuda_graphs and spec.backend != "eager":
         from cpgraph.runtime.graph_runner import bind_pool_addresses
 
@@ -230,10 +248,12 @@ def serve_single(spec: ServeSpec) -> int:
     from cpgraph.models.prefill import make_layout
 
     device = "cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available()) else "cpu"
-    model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), device=device, weights=spec.weights).eval()
+    model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), device=device, weights=spec.weights,
+                            draft=spec.draft).eval()
     model.kv_layout = make_layout(model, spec.kv_format, spec.page_size)
     engine = build_engine(model, make_forward(model, spec), spec,
-                          transfer=_make_peer(0, not spec.cuda_graphs) if spec.kv_transfer else None)
+                          transfer=_make_peer(0, not spec.cuda_graphs) if spec.kv_transfer else None,
+                          draft=make_draft(model, spec))
     info = _transfer_info(engine, [engine.transfer.address] if spec.kv_transfer else None)
     server = _server(engine, spec, spec.port, info)
     try:
@@ -286,14 +306,16 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
 
         launch = LaunchSpec(model=spec.model, cp=spec.cp, device=str(device.type), kv_format=spec.kv_format,
                             dtype=spec.dtype, weights=spec.weights, page_size=spec.page_size)
-        model, layout = load_rank_model(launch, lay, grank)
+        model, layout = load_rank_model(launch, lay, grank, draft=spec.draft)
         model = model.to(device).eval()
         model.kv_layout = layout
-        forward = make_forward(model, spec, CPConfig(group=group, cp_size=spec.cp, deterministic=spec.deterministic))
+        cp_config = CPConfig(group=group, cp_size=spec.cp, deterministic=spec.deterministic)
+        forward = make_forward(model, spec, cp_config)
         if not cuda:  # the ranks share this machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.cp))
         engine = build_engine(model, forward, spec, rank=grank, group=group, control_group=ctl, src=gid * spec.cp,
-                              transfer=_make_peer(grank, not spec.cuda_graphs) if spec.kv_transfer else None)
+                              transfer=_make_peer(grank, not spec.cuda_graphs) if spec.kv_transfer else None,
+                              draft=make_draft(model, spec, cp_config))
         peers = None
         if spec.kv_transfer:
             peers = [None] * spec.cp

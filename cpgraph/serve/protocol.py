@@ -206,6 +206,8 @@ def completion_response(req: Completion, results: list, decode: Callable[[int], 
                   "prefill": {"prompt_tokens": res.prompt_tokens, "cached_tokens": dict(res.cached_tokens),
                               "computed_tokens": res.computed_tokens, "chunks": res.chunks,
                               "timings_ms": {k: round(v * 1e3, 3) for k, v in res.timings.items()}}}
+        if res.draft_token is not None:  # a server with the MTP draft: its guess after the first token
+            choice["draft_token_ids"] = [res.draft_token]
         if res.transfer is not None:
             choice["kv_transfer"] = dict(res.transfer)
         choices.append(choice)

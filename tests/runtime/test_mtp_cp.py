@@ -255,3 +255,78 @@ def test_draft_cp4_equals_single_device():
         for key, (mla, index) in r[1].items():
             assert mla == ref_pages[key][0], f"rank {rank}, page {key}: draft MLA records differ"
             assert index == ref_pages[key][1], f"rank {rank}, page {key}: draft index-K differs"
+
+
+# ----------------------------------------------------------------------------- served by PrefillEngine
+# The draft behind ``cpgraph serve --cp 2 --draft``: the leader chooses each first token (greedy, or drawn at a
+# temperature without a seed), the followers must give their draft rows the same token (the admit op carries
+# the rule and a seed the leader fixed), over chunks (budget 32) and in one batch.
+SERVED_LENS = [40, 70, 17, 33]
+SERVED_TEMPS = [0.0, 3.0, 3.0, 0.0]
+
+
+def job_served_draft(ctx, lens, temps):
+    with row_invariant_matmul():
+        return _served_draft(ctx, lens, temps)
+
+
+def _served_draft(ctx, lens, temps):
+    from cpgraph.runtime.prefill_engine import PrefillEngine, engine_request
+    from cpgraph.runtime.scheduler import SchedulerConfig
+
+    model = _model()
+    target, draft = _compiled(ctx, "target"), _compiled(ctx, "draft")
+    steps, draft_logits = [], []
+
+    def recorded(hidden, dinputs, meta, mla, index):
+        out = draft(hidden, dinputs, meta, mla, index)
+        draft_logits.append(out.logits.numpy().copy())
+        return out
+
+    eng = PrefillEngine(lambda *a, **k: target(*a, **k), model, num_pages=64, page_size=PAGE, rank=ctx.rank,
+                        cp_size=ctx.world_size, scheduler=SchedulerConfig(token_budget=32), draft=recorded)
+    run = eng._run
+
+    def logged(chunks):
+        steps.append(list(chunks))
+        return run(chunks)
+
+    eng._run = logged
+    answers = None
+    if ctx.rank == 0:
+        handles = [eng.submit(engine_request(p, temperature=t)) for p, t in zip(_prompts(lens, 1), temps)]
+        eng.run_until_idle()
+        eng.stop_followers()
+        answers = [(h.id, h.result.status, h.result.token, h.result.draft_token, h.result.chunks) for h in handles]
+    else:
+        eng.follow()
+    eng.close()
+    final = {}  # request id -> the draft logits row of its last chunk (a later step overwrites an earlier one)
+    for chunks, logits in zip(steps, draft_logits):
+        for j, (rid, _, _) in enumerate(chunks):
+            final[rid] = logits[j]
+    return answers, final, eng.cache.tree.fingerprint()
+
+
+def job_single_device_drafts(ctx, lens, tokens):
+    """Per prompt alone, one device, eager: ``run_prefill``'s draft logits given the served first token."""
+    from cpgraph.runtime.engine import run_prefill
+
+    model = _model()
+    with row_invariant_matmul():
+        return [run_prefill(lambda *a, **k: model(*a, **k), model, [p], page_size=PAGE, draft=model.draft_module(),
+                            draft_tokens=[t]).draft_logits[0].numpy().copy()
+                for p, t in zip(_prompts(lens, 1), tokens)]
+
+
+def test_served_draft_cp2_reads_the_leaders_first_tokens():
+    results = shared_pool(2, CP_TIMEOUT_S).run(job_served_draft, SERVED_LENS, SERVED_TEMPS)
+    answers, leader, fingerprint = results[0]
+    assert [a[1] for a in answers] == ["finished"] * len(SERVED_LENS)
+    assert max(a[4] for a in answers) >= 2  # chunked
+    assert results[1][2] == fingerprint  # the followers' trees went through the same ops
+    want = shared_pool(1, CP_TIMEOUT_S).run(job_single_device_drafts, SERVED_LENS, [a[2] for a in answers])[0]
+    for (rid, _, token, draft_token, _), ref in zip(answers, want):
+        assert np.array_equal(results[1][1][rid], leader[rid]), "ranks disagree"
+        _same(leader[rid], ref, f"request {rid}: served CP draft logits != single-device given token {token}")
+        assert draft_token == int(ref.argmax())

@@ -50,3 +50,64 @@ def test_warm_up_flags_reach_the_spec(extra, prefix, derive):
     args = build_parser().parse_args(["serve", "--model", "tiny-glm5", "--device", "cuda", "--cuda-graphs", *extra])
     spec = spec_from_args(args)  # checks the flags only: no model is loaded, no GPU is needed
     assert (spec.warmup_prefix_tokens, spec.derive_kv_bucket) == (prefix, derive)
+
+
+def test_draft_flag_errors(tmp_path, capsys):
+    import json
+    import shutil
+    from pathlib import Path
+
+    import cpgraph.models
+
+    assert main(["serve", "--model", "tiny-glm5", "--device", "cuda", "--cuda-graphs", "--draft"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft is not served with --cuda-graphs" in err and err.count("\n") == 1, err
+    ckpt = tmp_path / "no-mtp"  # a checkpoint whose config declares no MTP layer
+    ckpt.mkdir()
+    shutil.copy(Path(cpgraph.models.__file__).parent / "configs" / "tiny-glm5.json", ckpt / "config.json")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 0
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert main(["serve", "--model", str(ckpt), "--draft"]) == 2
+    err = capsys.readouterr().err
+    assert "declares no MTP layer" in err and err.count("\n") == 1, err
+
+
+def test_draft_flag_reaches_the_served_engine():
+    """``--draft`` on one device, built as ``serve_single`` builds it: the engine runs the draft after the target
+    and each choice names the draft's guess, as ``run_prefill`` with the served first token computes it."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from cpgraph.cli import build_parser
+    from cpgraph.cli_serve import spec_from_args
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.runtime.engine import run_prefill
+    from cpgraph.serve.node import _server, build_engine, make_draft, make_forward
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from serve_utils import post
+
+    spec = spec_from_args(build_parser().parse_args(["serve", "--model", "tiny-glm5", "--draft", "--device", "cpu",
+                                                     "--warmup-tokens", "20", "--port", "0"]))
+    assert spec.draft
+    model = from_pretrained(spec.model, draft=True).eval()
+    model.kv_layout = make_layout(model, spec.kv_format, spec.page_size)
+    engine = build_engine(model, make_forward(model, spec), spec, draft=make_draft(model, spec))
+    assert engine.cache.pool.config.num_layers == model.config.num_hidden_layers + 1
+    server = _server(engine, spec, 0).start_background()
+    try:
+        server.wait_ready()
+        prompt = torch.randint(0, 512, (45,), generator=torch.Generator().manual_seed(5)).tolist()
+        status, body = post(server.url, {"prompt": prompt, "temperature": 0.0})
+        assert status == 200, body
+        choice = body["choices"][0]
+        ref = run_prefill(lambda *a, **k: model(*a, **k), model, [prompt], page_size=spec.page_size,
+                          draft=model.draft_module(), draft_tokens=choice["token_ids"])
+        assert choice["token_ids"] == [int(ref.logits[0].argmax())]
+        assert choice["draft_token_ids"] == [int(ref.draft_logits[0].argmax())]
+    finally:
+        server.stop()
