@@ -116,3 +116,47 @@ def test_cp2_cuda_graph_server_replays_and_matches_prefill_logits():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_draft_served_on_cuda_with_inductor_equals_run_prefill():
+    """``cpgraph serve --draft --device cuda --backend inductor``: the compiled target and the compiled draft on
+    the GPU, chunked (budget 64) and batched; each choice's first token and draft guess are those of
+    ``run_prefill`` (eager, the request alone) given the same first token, and the draft logits agree within
+    ``TOL`` (other batch shapes, Triton vs torch kernels)."""
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.runtime.engine import run_prefill
+    from cpgraph.serve.app import PrefillServer
+    from cpgraph.serve.node import ServeSpec, build_engine, make_draft, make_forward
+
+    model = from_pretrained("tiny-glm5", device="cuda", draft=True).eval()
+    model.kv_layout = make_layout(model, "bf16", 16)
+    spec = ServeSpec(model="tiny-glm5", page_size=16, num_pages=256, token_budget=64, max_batch_requests=8,
+                     backend="inductor", draft=True)
+    logits = []
+    draft = make_draft(model, spec)
+
+    def recorded(hidden, dinputs, meta, mla, index):
+        out = draft(hidden, dinputs, meta, mla, index)
+        logits.append((dinputs.sampled.cpu(), out.logits.float().cpu()))
+        return out
+
+    engine = build_engine(model, make_forward(model, spec), spec, draft=recorded)
+    server = PrefillServer(engine, served=("tiny-glm5",)).start_background()
+    try:
+        server.wait_ready()
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 150, 17)]
+        for p in prompts:
+            status, body = post(server.url, {"prompt": p})
+            assert status == 200, body
+            choice = body["choices"][0]
+            ref = run_prefill(lambda *a, **k: model(*a, **k), model, [p], page_size=16, draft=model.draft_module(),
+                              draft_tokens=choice["token_ids"])
+            assert choice["token_ids"] == [int(ref.logits[0].argmax())]
+            assert choice["draft_token_ids"] == [int(ref.draft_logits[0].argmax())]
+            sampled, served = logits[-1]  # the request's last chunk ran in the latest draft call, as row 0
+            assert int(sampled[0]) == choice["token_ids"][0]
+            assert torch.allclose(served[0], ref.draft_logits[0].float().cpu(), atol=TOL, rtol=0)
+    finally:
+        server.stop()
