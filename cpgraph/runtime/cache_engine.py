@@ -58,11 +58,18 @@ token differs from the new prompt's.  That page is recomputed into this
 request's own extend pages (the cached page is shared and stays intact), so
 the draft's records and logits are a cold run's.  Without a draft nothing is
 checked and matches are as long as before.
+
+The match record lives in :mod:`cpgraph.runtime.prefix_match`, the L3
+fetch steps (:meth:`CacheEngine.start_prefetch` and the rest, the
+``L3Prefetch`` record) in :mod:`cpgraph.runtime.l3_prefetch` (a base class
+of :class:`CacheEngine`), and the ``cpgraph run --cache`` helpers
+(``run_twice``, ``default_capacity``) in :mod:`cpgraph.runtime.cache_run`;
+all stay importable from here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -72,10 +79,13 @@ from torch import Tensor
 from cpgraph.ops.layer_events import layer_hooks
 from cpgraph.plan import plan_prefill
 
+from .cache_run import default_capacity, run_twice  # noqa: F401  (re-exported)
 from .engine import _FORMATS, check_prompts, draft_pools, forward_batch, pool_config, pool_tensors
 from .hicache import DevicePages, HiCache, HostPool, LaneDeficit
 from .kv_pool import KVPool, KVPoolExhausted
-from .l3 import L3Config, L3Tier, PendingFetch
+from .l3 import L3Config, L3Tier
+from .l3_prefetch import L3Prefetch, L3PrefetchMixin, _false_runs, _L3Tail  # noqa: F401  (re-exported)
+from .prefix_match import HOLE, _NONE, PrefixMatch  # noqa: F401  (re-exported)
 from .radix import RadixCache, RadixNode, TokenKey, check_consistent
 from .storage import store_fingerprint, weights_identity
 
@@ -96,111 +106,7 @@ class CacheResult:
         return {k: sum(h[k] for h in self.hits) for k in tiers}
 
 
-_NONE = np.zeros(0, np.int64)
-_NONE.setflags(write=False)
-
-HOLE = -2  # a page table entry still to compute (a hole after a failed L3 page, or an extend page): no page yet
-
-
-@dataclass
-class _L3Tail:
-    """The pages an L3 fetch read *after* its first failed page: they wait in L2 until the match can load them."""
-
-    start: int  # logical page of the first failed page
-    host_pages: np.ndarray  # this rank's L2 page per page of the tail (-1: another rank's, or did not arrive)
-    owners: np.ndarray  # owner per page, as stored
-    arrived: np.ndarray  # bool per page, the same on every rank; the tail ends on an arrived page
-
-
-@dataclass
-class L3Prefetch:
-    """One prompt's L3 fetch between :meth:`CacheEngine.start_prefetch` and its :meth:`CacheEngine.match`."""
-
-    tokens: list
-    key: TokenKey
-    start: int  # logical page after the radix hit where the fetched run begins
-    pending: PendingFetch | None  # reads not agreed on yet (None once finished)
-    owners: np.ndarray  # owner per page of the run, as stored
-    node: RadixNode | None = None  # the attached L2-only node: the pages before the first failed one
-    head_pages: int = 0
-    tail: _L3Tail | None = None  # the pages that arrived after a failed one
-
-    @property
-    def fetching(self) -> bool:
-        return self.pending is not None
-
-
-@dataclass
-class PrefixMatch:
-    """What admission found in the cache for one prompt (:meth:`CacheEngine.match`); rank-identical except page ids.
-
-    The prompt's logical pages ``[0, cached_pages)`` have KV or get it
-    before the prompt's own extend runs:
-
-    * ``[0, tree_pages)``: the radix tree's pages (L1 hits, locked; L2 hits
-      loaded back), ``prefix_pages`` / ``prefix_owners``;
-    * ``[tree_pages, cached_pages)``: only after an L3 page failed to
-      arrive: the pages that arrived after it, loaded into pages this match
-      holds (``restored_pages`` / ``restored_owners``, ``HOLE`` where a page
-      failed), and ``holes``, the runs of failed pages.  A hole is computed
-      as an extend over the pages before it; the pages after it stay valid
-      (a page's KV depends on the tokens before it, not on how their KV was
-      obtained), so only the failed pages are recomputed.
-
-    The caller computes :meth:`segments` (holes first, in order, then the
-    rest of the prompt), then :meth:`CacheEngine.commit` inserts the pages
-    and :meth:`CacheEngine.release` unlocks (or, for a request that does not
-    run, gives everything back).
-    """
-
-    tokens: list
-    key: TokenKey
-    # Snapshot at match time: a later request's match may split these nodes.
-    # (Each is replaced, never written in place: the defaults share one read-only empty array, one fewer
-    # allocation per field on every admission.)
-    prefix_pages: np.ndarray = field(default_factory=lambda: _NONE)
-    prefix_owners: np.ndarray = field(default_factory=lambda: _NONE)
-    restored_pages: np.ndarray = field(default_factory=lambda: _NONE)
-    restored_owners: np.ndarray = field(default_factory=lambda: _NONE)
-    holes: list = field(default_factory=list)  # [(first page, end page)] to compute, inside [tree_pages, cached_pages)
-    locks: list = field(default_factory=list)
-    loads: list = field(default_factory=list)  # in-flight L2 -> L1 load-backs (per-layer events)
-    device_hit: int = 0
-    host_hit: int = 0
-    l3_hit: int = 0
-    holds_restored: bool = False  # the restored pages are this match's (until commit or release)
-
-    @property
-    def tree_pages(self) -> int:
-        return int(self.prefix_pages.shape[0])
-
-    @property
-    def cached_pages(self) -> int:
-        return self.tree_pages + int(self.restored_pages.shape[0])
-
-    @property
-    def hole_tokens(self) -> int:
-        return sum(b - a for a, b in self.holes)
-
-    def segments(self, page_size: int) -> list[tuple[int, int]]:
-        """Token ranges to compute, in order: each hole (whole pages), then ``[cached_pages * page, len)``."""
-        return [(a * page_size, b * page_size) for a, b in self.holes] + \
-            [(self.cached_pages * page_size, len(self.tokens))]
-
-    def table(self, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(page, owner)`` per logical page of the prompt: the cached ones, ``HOLE`` for the pages to compute."""
-        n = -(-len(self.tokens) // page_size)
-        pages = np.full(n, HOLE, dtype=np.int64)
-        owners = np.full(n, HOLE, dtype=np.int64)
-        t, c = self.tree_pages, self.cached_pages
-        if t:  # (an empty part is skipped: these run for every admission)
-            pages[:t], owners[:t] = self.prefix_pages, self.prefix_owners
-        if c > t:
-            pages[t:c], owners[t:c] = self.restored_pages, self.restored_owners
-        return pages, owners
-
-
-class CacheEngine:
+class CacheEngine(L3PrefetchMixin):
     """Persistent-pool prefill engine with a radix prefix cache and optional HiCache (see module docstring).
 
     ``num_pages``: L1 capacity per rank (every rank the same);
@@ -313,90 +219,6 @@ class CacheEngine:
             self.tree.evict_host(1 << 62, self._release_host)
 
     # ----------------------------------------------------------------- prefill
-    def _start_l3(self, tokens: list, key: TokenKey, background: bool) -> "L3Prefetch | None":
-        """Look up the L3-resident pages right after the prompt's radix hit and start reading them into L2.
-
-        ``None`` when there is nothing to fetch.  Every condition here
-        depends only on rank-identical state (tokens, tree, mirrored
-        ledgers), so all CP ranks take the same branch and issue the same
-        collectives inside :meth:`L3Tier.lookup`.
-        """
-        limit = (len(tokens) - 1) // self.page_size
-        m = self.tree.match_prefix(key, max_pages=limit)
-        start = sum(n.num_pages for n in m.nodes)
-        if start >= limit or self.tree.extends_past(key, start):
-            return None  # all cached, or the tree goes on (an MTP draft back-off): nothing for L3 to add
-        if not all(n.device_pages is not None or self.hicache.usable_from_host(n) for n in m.nodes):
-            return None
-        digests = self.l3.chain(tokens, limit)[start:]
-        owners = self.l3.lookup(digests)
-        if owners.size == 0:
-            return None
-        anchor = m.nodes[-1] if m.nodes else None
-        if anchor is not None:
-            self.tree.inc_lock(anchor)  # L2 room for the fetch must not come from this prompt's own path
-        try:
-            pending = self.l3.start_fetch(digests[: owners.size], owners, background=background)
-        finally:
-            if anchor is not None:
-                self.tree.dec_lock(anchor)
-        return None if pending is None else L3Prefetch(tokens, key, start, pending, pending.owners)
-
-    def _finish_l3(self, pf: "L3Prefetch") -> None:
-        """Agree on what arrived; attach the pages before the first failed one to the tree as an L2-only node.
-
-        The pages that arrived after it (the tail) stay in L2 outside the
-        tree, in ``pf.tail``, until :meth:`match` restores them.  A fetch
-        started ahead of admission is attached only if the tree still holds
-        exactly the prompt's first ``pf.start`` pages (other requests may
-        have cached or evicted pages meanwhile); else its pages are freed.
-        """
-        hp, arrived = self.l3.finish_fetch(pf.pending)
-        pf.pending = None
-        owners, n, ps = pf.owners, int(hp.size), self.page_size
-        if (pf.start and not self.tree.extends_past(pf.key, pf.start - 1)) or self.tree.extends_past(pf.key, pf.start):
-            self.hicache.host.free(hp[arrived], owners[arrived])  # (-1 where another rank owns a page)
-            return
-        cut = int(np.argmin(arrived)) if not arrived.all() else n
-        if cut < n and arrived[cut:].any():
-            last = n - int(np.argmax(arrived[::-1]))  # the tail ends on its last arrived page
-            pf.tail = _L3Tail(pf.start + cut, hp[cut:last], owners[cut:last], arrived[cut:last].copy())
-        if cut:
-            end = pf.start + cut
-            pf.node = self.tree.attach_host(pf.key[: end * ps], pf.start, hp[:cut], owners[:cut],
-                                            self.hicache.host.required_payloads, next_token=int(pf.tokens[end * ps]))
-            pf.head_pages = cut
-
-    def _drop_tail(self, tail: _L3Tail) -> None:
-        """Give back a tail's L2 pages (the fetch already freed those of the pages that did not arrive)."""
-        sel = tail.arrived
-        self.hicache.host.free(tail.host_pages[sel], tail.owners[sel])
-
-    def _restore_tail(self, req: PrefixMatch, tail: _L3Tail) -> None:
-        """Load the tail's arrived pages into pages ``req`` holds, leaving holes at the failed ones.
-
-        Only when the tree prefix reaches the tail (``tree_pages ==
-        tail.start``): if an L2 load-back before it degraded to a miss, so
-        does the tail (the request computes from the end of its prefix).
-        The tail's L2 pages are freed once the copy is issued: any later
-        host-side write into L2 rows first waits for HiCache's side stream.
-        """
-        sel = tail.arrived
-        loaded = None
-        if req.tree_pages == tail.start:
-            loaded = self.hicache.load_pages(tail.host_pages[sel], tail.owners[sel])
-        self._drop_tail(tail)
-        if loaded is None:
-            return
-        pages, handle = loaded
-        req.restored_pages = np.full(sel.shape[0], HOLE, dtype=np.int64)
-        req.restored_owners = np.full(sel.shape[0], HOLE, dtype=np.int64)
-        req.restored_pages[sel], req.restored_owners[sel] = pages, tail.owners[sel]
-        req.holes = [(tail.start + a, tail.start + a + n) for a, n in _false_runs(sel)]
-        req.holds_restored = True
-        req.loads.append(handle)
-        req.l3_hit += int(sel.sum()) * self.page_size
-
     def match(self, tokens: Sequence[int], key: TokenKey | None = None, *, prefetched: "L3Prefetch | None" = None,
               fetch_l3: bool = True) -> PrefixMatch:
         """Admission of one prompt: L3 fetch past the radix hit, radix match, L1 locks, L2 load-backs.
@@ -599,94 +421,13 @@ class CacheEngine:
         self._store_through(handle, todo)
 
     # --------------------------------------------------------------------- L3
-    def prefetch(self, token_lists: Sequence[Sequence[int]]) -> list[int]:
-        """Fetch each prompt's L3-resident prefix (past its radix hit) into L2 now; returns tokens fetched per prompt.
-
-        The synchronous form of :meth:`start_prefetch` + :meth:`finish_prefetch`:
-        the pages stay in L2 as cache, where a later :meth:`prefill` or
-        :meth:`match` finds them (as ``host`` hits); pages after a failed
-        one are not kept (the tree cannot hold them).  Every CP rank must
-        call it with the same prompts (it runs the lookup collectives).
-        Without an L3 it fetches nothing.
-        """
-        out = []
-        for tokens in token_lists:
-            tokens = list(tokens)
-            pf = None
-            if self.l3 is not None and len(tokens) > self.page_size:
-                pf = self._start_l3(tokens, TokenKey(tokens), background=False)
-            if pf is None:
-                out.append(0)
-                continue
-            self._finish_l3(pf)
-            out.append(pf.head_pages * self.page_size if pf.node is not None else 0)
-            self.drop_prefetch(pf)
-        return out
-
-    def start_prefetch(self, tokens: Sequence[int], key: TokenKey | None = None) -> "L3Prefetch | None":
-        """Start fetching a queued prompt's L3-resident prefix into L2 on the L3 I/O thread; ``None``: nothing to fetch.
-
-        For a scheduler: call it when a request is queued, go on computing
-        other requests, then :meth:`finish_prefetch` before the request's
-        :meth:`match` (``prefetched=``), so the read overlapped the compute.
-        The lookup runs now (every CP rank, same order: it is a collective);
-        the L2 pages stay allocated, outside the tree, until the finish.
-        """
-        if self.l3 is None or len(tokens) <= self.page_size:
-            return None
-        tokens = list(tokens)
-        return self._start_l3(tokens, key if key is not None else TokenKey(tokens), background=True)
-
-    def finish_prefetch(self, pf: "L3Prefetch") -> int:
-        """Wait for ``pf``'s reads, agree on what arrived (CP: a collective), attach it; returns the tokens kept."""
-        if pf.pending is not None:
-            self._finish_l3(pf)
-        kept = pf.head_pages if pf.node is not None else 0
-        if pf.tail is not None:
-            kept += int(pf.tail.arrived.sum())
-        return kept * self.page_size
-
-    def drop_prefetch(self, pf: "L3Prefetch") -> None:
-        """Give back what ``pf`` holds outside the tree (reads in flight, a tail); rank-local, no collectives."""
-        if pf.pending is not None:
-            self.l3.discard(pf.pending)
-            pf.pending = None
-        if pf.tail is not None:
-            self._drop_tail(pf.tail)
-            pf.tail = None
-
-    def flush_l3(self) -> int:
-        """Store every cached node that has no L3 copy yet (L1-only nodes are backed up to L2 first, room permitting).
-
-        What a process calls before it exits under ``write_back`` (whose
-        stores otherwise happen only when L2 drops a node); under
-        ``write_through`` it stores what an earlier write failed to.
-        Returns the pages this rank stored.
-        """
-        if self.l3 is None:
-            return 0
-        nodes = list(self.tree.nodes())
-        handle = self.hicache.backup([n for n in nodes if n.device_pages is not None and n.host_pages is None])
-        if handle is not None:
-            handle.synchronize()
-        return self.l3.flush(nodes)
-
+    # (the fetch steps and flush_l3: L3PrefetchMixin, l3_prefetch.py)
     def close(self) -> None:
         """Release the L3 store (idempotent); the engine keeps working without it."""
         if self.l3 is not None:
             self.hicache.before_host_evict = None
             self.l3.close()
             self.l3 = None
-
-
-def _false_runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """``(start, length)`` of each run of ``False`` in ``mask``."""
-    idx = np.flatnonzero(~mask)
-    if idx.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [idx.size]])
-    return [(int(idx[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 def _path_to(node, root) -> list:
@@ -696,35 +437,3 @@ def _path_to(node, root) -> list:
         out.append(node)
         node = node.parent
     return out
-
-
-def default_capacity(token_lists, page_size: int) -> int:
-    """Pages per rank that hold every prompt twice over (cached copy + one batch's extend pages)."""
-    return 2 * sum(-(-len(t) // page_size) for t in token_lists) + len(token_lists)
-
-
-def run_twice(engine: CacheEngine, token_lists, *, evict: bool = False,
-              progress: Callable[[str], None] | None = None) -> dict:
-    """``cpgraph run --cache``: prefill, optionally evict all of L1 to L2, prefill the same prompts again.
-
-    Returns both passes' logits and per-level hits; the second pass must give
-    the first pass's logits (warm-cache correctness).
-    """
-    first = engine.prefill(token_lists, progress=progress)
-    evicted = 0
-    if evict:
-        if engine.hicache is None:
-            raise ValueError("evicting between passes needs an L2 host pool (host_pages > 0)")
-        evicted = engine.evict_device()
-        if progress:
-            progress(f"evicted {evicted} page(s) from L1 to L2")
-    second = engine.prefill(token_lists, progress=progress)
-    return {
-        "first": first.logits,
-        "second": second.logits,
-        "hits": [first.totals(), second.totals()],
-        "hits_per_request": [first.hits, second.hits],
-        "evicted_pages": evicted,
-        "load_misses": second.load_misses,
-        "hicache": dict(engine.hicache.stats) if engine.hicache is not None else None,
-    }
