@@ -62,13 +62,22 @@ page))``, the first chunk also covering the cached prefix pages.  A sink whose
 last)`` and ``end_chunk(chunk, last, first_token, prompt_len) -> bool``: the
 engine opens each chunk before the step's forward (its layers go out while
 later layers compute) and closes it after.
+
+**Where the parts are.**  The request record is :mod:`~cpgraph.runtime.live_request`;
+the op log and the followers (``follow``, ``stop_followers``, ``heartbeat``)
+:mod:`~cpgraph.runtime.op_log`, the L3 phase :mod:`~cpgraph.runtime.l3_phase` and
+admission :mod:`~cpgraph.runtime.admission` (mixins of :class:`PrefillEngine`); the chunk
+sends :mod:`~cpgraph.runtime.chunk_transfer`, the draft's first-token choice
+:mod:`~cpgraph.runtime.draft_choice`, results :mod:`~cpgraph.runtime.results`, prompt
+checks :mod:`~cpgraph.runtime.prompt_limits` and the cold-step counters
+:mod:`~cpgraph.runtime.forward_counters` (plain functions).  This module keeps the
+public API, the step and the commit.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -82,57 +91,37 @@ from cpgraph.ops.checks import debug_enabled
 from cpgraph.ops.layer_events import layer_hooks
 from cpgraph.plan import plan_prefill
 
-from .cache_engine import CacheEngine, PrefixMatch
+from .admission import _Admission
+from .cache_engine import CacheEngine
+from .chunk_transfer import begin_chunk, end_chunk, send_chunk
+from .draft_choice import choose_first_tokens
 from .engine import draft_pools, forward_batch
+from .forward_counters import _compiles
 from .graph_runner import graph_counts
-from .radix import TokenKey, check_consistent
+from .l3_phase import _L3Phase
+from .live_request import _Live
+from .op_log import _OpLog
+from .prompt_limits import pool_token_limit, token_ids
+from .radix import check_consistent
 from .requests import (CANCELLED, FAILED, FINISHED, OUTCOMES, REFUSALS, REFUSED, TIMEOUT, EngineRequest,
                        RequestHandle, RequestResult, _Stats, engine_request)
+from .results import _deliver, request_result
 from .sampling import Sampling, first_tokens
-from .scheduler import Scheduler, SchedulerConfig, chunk_owners, chunk_spans, lane_pages, shared_prefix
+from .scheduler import Scheduler, SchedulerConfig, chunk_owners, lane_pages
+
+# Importable from here as before the split (tests, benchmarks and serve import some of them).
+from .cache_engine import PrefixMatch  # noqa: F401
+from .draft_choice import _random_seed  # noqa: F401
+from .forward_counters import _graph_replays  # noqa: F401
+from .radix import TokenKey  # noqa: F401
+from .scheduler import chunk_spans, shared_prefix  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 STEP_LOG = 4096  # steps kept in PrefillEngine.step_log
 
 
-class _Live:
-    """The engine's record of one admitted-or-waiting request (the same on every rank once admitted)."""
-
-    def __init__(self, rid: int, tokens: list[int], room: int | None, handle: RequestHandle | None, now: float,
-                 deadline: float | None, tokens_np: np.ndarray | None = None):
-        self.id, self.tokens, self.room, self.handle = rid, tokens, room, handle
-        if tokens_np is None:
-            self.tokens_np = np.asarray(tokens, dtype=np.int64)
-            self.key = TokenKey(self.tokens_np)
-        else:  # submit's array, already checked against the vocabulary (< 2**31 ids: PrefillEngine.__init__)
-            self.tokens_np, self.key = tokens_np, TokenKey.from_checked(tokens_np)
-        self.match: PrefixMatch | None = None
-        self.prefix_len = 0  # tokens with KV from the cache (all tiers) at admission
-        self.done = 0  # where the next chunk starts: the leading tokens whose KV exists
-        self.starts: list[int] = []  # chunk sequence fixed at admission: holes first (docs/cache.md), then the rest
-        self.ends: list[int] = []
-        self.next_chunk = 0
-        self.defers = 0
-        self.pages = self.owners = None  # page table of the whole prompt (PrefixMatch.table, chunks filled in)
-        self.own_pages: list[np.ndarray] = []
-        self.own_owners: list[np.ndarray] = []
-        self.reserve: np.ndarray | None = None
-        self.cancel_reason: str | None = None
-        self.l3_checked = False  # leader: its L3 lookup ran (a prefetch started, or nothing to fetch)
-        self.t_submit, self.t_admit, self.deadline = now, None, deadline
-        self.transfer_s, self.transfer_ok, self.sent_pages, self.chunks = 0.0, True, 0, 0
-        # With a draft: how the first token is chosen (on every rank: the draft reads it), the chosen token
-        # (the radix node's next token when the prompt ends on a page boundary) and the draft's guess after it.
-        self.sampling: Sampling | None = None
-        self.first_token, self.draft_token = -1, None
-
-    def remaining(self) -> int:
-        """Prompt tokens still to compute (the chunks not run yet)."""
-        return sum(e - s for s, e in zip(self.starts[self.next_chunk:], self.ends[self.next_chunk:]))
-
-
-class PrefillEngine:
+class PrefillEngine(_OpLog, _L3Phase, _Admission):
     """Continuous CP prefill over a persistent cache (module docstring).
 
     ``forward(input_ids, meta, mla_pools, index_pools)`` as for
@@ -144,6 +133,8 @@ class PrefillEngine:
     ``request_timeout``: default seconds a request may take from submit.
     ``max_prompt_tokens``: longer prompts are refused (default: what the pool
     can ever hold).  ``clock``: for tests.
+
+    The op log, the L3 phase and admission are mixins (module docstring, where the parts are).
     """
 
     def __init__(self, forward: Callable, model, *, num_pages: int, page_size: int = 16, kv_format: str = "bf16",
@@ -171,7 +162,7 @@ class PrefillEngine:
         self.transfer = transfer
         self.clock = clock
         self.num_pages = num_pages
-        self.max_prompt_tokens = max_prompt_tokens or self._pool_token_limit()
+        self.max_prompt_tokens = max_prompt_tokens or pool_token_limit(num_pages, cp_size, page_size)
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._step_lock = threading.RLock()
@@ -382,27 +373,6 @@ class PrefillEngine:
             finished += self._run(run[1])
         return finished
 
-    def follow(self) -> None:
-        """Ranks other than the leader: apply the leader's ops, step by step, until it sends ``stop``."""
-        if self.is_leader:
-            raise RuntimeError("PrefillEngine.follow runs on ranks other than the leader")
-        while True:
-            ops = self._broadcast(None)
-            for op in ops:
-                if op[0] == "stop":
-                    return
-                if op[0] == "run":
-                    self._run(op[1])
-                else:
-                    self._apply(op)
-
-    def stop_followers(self) -> None:
-        """Leader: tell the other ranks of the CP group to return from :meth:`follow`."""
-        with self._lock:
-            self._stopped = True
-        if self.cp_size > 1:
-            self._broadcast([("stop",)])
-
     def fail_all(self, error: str) -> None:
         """Leader, after a fatal error: answer every queued and admitted request as failed (touches no cache state)."""
         with self._lock:
@@ -479,11 +449,6 @@ class PrefillEngine:
         self.cache.flush_l3()
         self.cache.close()
 
-    def heartbeat(self) -> None:
-        """Leader, idle: an empty step keeps the followers' broadcast inside its timeout."""
-        if self.cp_size > 1:
-            self._broadcast([])
-
     # ----------------------------------------------------------------- internals
     def _new_stats(self) -> _Stats:
         self.cold_steps = 0  # steps whose forward compiled a graph or prepared (captured) a new bucket
@@ -492,183 +457,6 @@ class PrefillEngine:
         if self.cache.l3 is not None:  # the L3 tier is reported (also at 0) only where there is one
             stats.cached_tokens["l3"] = 0
         return stats
-
-    def _pool_token_limit(self) -> int:
-        # The longest prompt whose pages fit on every lane: binary search over lengths (owners are per length).
-        lo, hi = 1, self.num_pages * self.cp_size * self.page_size
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if (lane_pages([0], [mid], self.cp_size, self.page_size) <= self.num_pages).all():
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _l3_phase(self) -> None:
-        """Leader, at the start of a step: the L3 reads of queued requests, as ops every rank applies together.
-
-        Why a phase of its own: an L3 lookup and the agreement on what
-        arrived are collectives, so every rank must run them at the same
-        point -- the leader broadcasts these ops first and applies them
-        after, instead of applying as it decides (as for the other ops, which
-        touch only rank-local state).  Admission (``match``) then does no L3
-        I/O.  Per step: every fetch started in an earlier step is finished
-        (its reads ran on the L3 I/O thread during that step's forward), and
-        the requests in line (up to one step's worth) that were not looked
-        up yet are: their fetch starts now, and is finished at once when
-        the engine has nothing running to overlap it with.  A request whose
-        prompt shares a page with a fetch started in this phase waits for
-        that one to land (it would read the same pages) and is looked up in
-        the next step.
-        """
-        ops = [("l3_done", rid) for rid, pf in self._prefetches.items() if pf.fetching]
-        idle = not self.scheduler.running
-        started: list[_Live] = []
-        for live in list(itertools.islice(self.scheduler.waiting, self.scheduler.config.max_batch_requests)):
-            if live.l3_checked or live.cancel_reason is not None:
-                continue
-            if not idle and any(shared_prefix(live.tokens_np, o.tokens_np) >= self.page_size for o in started):
-                continue
-            ops.append(("l3_fetch", live.id, live.tokens, idle))
-            live.l3_checked = True
-            started.append(live)
-        if not ops:
-            return
-        if self.cp_size > 1:
-            self._broadcast(ops)
-        for op in ops:
-            self._apply(op)
-
-    def _l3_ready(self, live: _Live) -> bool:
-        """May ``live`` be admitted now: looked up in L3, and no read of its prefix still in flight."""
-        pf = self._prefetches.get(live.id)
-        return live.l3_checked and (pf is None or not pf.fetching)
-
-    def _broadcast(self, ops: list | None) -> list:
-        import torch.distributed as dist
-
-        box = [ops]
-        dist.broadcast_object_list(box, src=self.src, group=self.control_group)
-        return box[0]
-
-    def _log(self, ops: list, op: tuple) -> None:
-        ops.append(op)
-        self._apply(op)
-
-    def _apply(self, op: tuple) -> None:
-        kind = op[0]
-        if kind == "l3_fetch":
-            _, rid, tokens, now = op
-            pf = self.cache.start_prefetch(tokens)
-            if pf is not None:
-                self._prefetches[rid] = pf
-                if now:
-                    self.cache.finish_prefetch(pf)
-        elif kind == "l3_done":
-            self.cache.finish_prefetch(self._prefetches[op[1]])
-        elif kind == "l3_drop":
-            self.cache.drop_prefetch(self._prefetches.pop(op[1]))
-        elif kind == "admit":
-            _, rid, tokens, room, budget, *sampling = op
-            live = self._live.get(rid)
-            if live is None:  # a follower sees the request for the first time
-                live = self._live[rid] = _Live(rid, list(tokens), room, None, self.clock(), None)
-            if sampling:  # with a draft (the leader's own record already holds it)
-                live.sampling = sampling[0]
-            self._admit(live, budget)
-        elif kind == "unadmit":
-            live = self._live[op[1]]
-            self._release(live)
-            live.match, live.starts, live.ends, live.prefix_len, live.done = None, [], [], 0, 0
-            live.l3_checked = False  # looked up again before its next try: its prefetch went into this match
-            if not self.is_leader:
-                del self._live[op[1]]  # the leader re-sends the tokens with its next try
-        elif kind == "cancel":
-            live = self._live.pop(op[1])
-            self._release(live)
-            if live.room is not None and self.transfer is not None:
-                self.transfer.abort(live.room)
-        elif kind == "warm_graphs":
-            self._warm_graphs(*op[1:])
-        elif kind == "evict":
-            if self._live or self._prefetches:
-                raise RuntimeError("prefill engine: the cache is reset only while no request is admitted or queued")
-            self.cache.clear()
-            if not self.is_leader:  # reset_cache zeroes the counters on every rank (the leader's: in reset_cache)
-                self.stats = self._new_stats()
-        else:
-            raise ValueError(f"prefill engine: unknown op {kind!r}")
-
-    def _admit(self, live: _Live, budget: int) -> None:
-        """Match (lock L1 hits, load back L2 hits, restore L3 pages), fix the chunk sequence within ``budget``,
-        reserve its pages.
-
-        Identical on every rank.  ``live.ends`` stays empty when not even the first chunk fits the budget.
-        """
-        ps = self.page_size
-        # The cache engine's own match (same limits, locks and rules); its L3 part was fetched in the L3 phase.
-        m = self.cache.match(live.tokens, live.key, prefetched=self._prefetches.pop(live.id, None), fetch_l3=False)
-        live.match = m
-        live.prefix_len = m.cached_pages * ps
-        live.next_chunk = 0
-        spans = chunk_spans(m.segments(ps), budget, self.scheduler.config.chunk_tokens, ps)
-        live.starts, live.ends = [a for a, _ in spans], [b for _, b in spans]
-        live.done = live.starts[0] if spans else m.tree_pages * ps
-        live.pages, live.owners = m.table(ps)
-        live.reserve = lane_pages(live.starts, live.ends, self.cp_size, ps)
-
-    def _release(self, live: _Live) -> None:
-        """Give back everything the request holds: its own pages, its locks, its pending load-backs."""
-        m = live.match
-        if m is None:
-            return
-        self.cache.release(m)  # waits for its load-backs first: nothing is freed under an in-flight copy
-        for pages, owners in zip(live.own_pages, live.own_owners):
-            self.cache.device.free(pages, owners)
-        live.own_pages, live.own_owners = [], []
-        live.reserve = None
-
-    def _available(self) -> np.ndarray:
-        """Pages per lane that admissions may still promise: free + evictable - reserved by running requests."""
-        if self.cp_size == 1:  # one lane: Python ints, one array (this runs at every admission)
-            ledger = self.cache.device.ledger
-            free = int(ledger.capacity[0]) - int(ledger.used[0]) + int(self.cache.evictable_by_lane()[0])
-            for r in self.scheduler.running:
-                if r.reserve is not None:
-                    free -= int(r.reserve[0])
-            return np.array([free], dtype=np.int64)
-        reserved = np.zeros(self.cp_size, dtype=np.int64)
-        for r in self.scheduler.running:
-            if r.reserve is not None:
-                reserved += r.reserve
-        return self.cache.device.ledger.free_pages() + self.cache.evictable_by_lane() - reserved
-
-    def _leader_admit(self, live: _Live, budget: int, ops: list) -> bool:
-        # With HiCache, a cache-blind bound first: a match would start load-backs that cannot be used yet.
-        if self.cache.hicache is not None:
-            worst = lane_pages([0], [len(live.tokens)], self.cp_size, self.page_size)
-            if (worst > self._available()).any():
-                return False
-        # The match has side effects (node splits, LRU ticks): it is an op, logged even when the
-        # request then has to wait (``unadmit``), so every rank's tree goes through the same sequence.
-        if self.draft is None:
-            self._log(ops, ("admit", live.id, live.tokens, live.room, budget))
-        else:  # every rank chooses the first token the draft reads: the same rule, and a seed the leader fixed
-            if self.cp_size > 1 and not live.sampling.greedy and live.sampling.seed is None:
-                live.sampling = Sampling(live.sampling.temperature, live.sampling.top_p, _random_seed())
-            self._log(ops, ("admit", live.id, live.tokens, live.room, budget, live.sampling))
-        if not live.ends or (live.reserve > self._available()).any():
-            # Chunks split a prompt's pages over the lanes a little differently from one pass: a sequence
-            # that exceeds a lane's capacity outright can never run, even on an empty pool.
-            never = bool(live.ends) and bool((live.reserve > self.num_pages).any())
-            self._log(ops, ("unadmit", live.id))
-            if never:
-                self.scheduler.remove(live)
-                self._close(live, REFUSED, error=f"the prompt's chunks need more KV pages on one rank than the "
-                                                 f"pool's {self.num_pages}", refusal="too_long")
-            return False
-        live.t_admit = self.clock()
-        return True
 
     @torch.no_grad()  # grad mode is per thread: the engine thread must not record (or compile) a backward
     def _run(self, chunks: list[tuple[int, int, int]]) -> list[RequestHandle]:
@@ -702,7 +490,7 @@ class PrefillEngine:
             if self.transfer is not None and getattr(self.transfer, "overlap", False):
                 for j, (live, (_, _, e)) in enumerate(zip(lives, chunks)):
                     if live.room is not None and live.transfer_ok:
-                        early[j] = self._begin_send(live, tables[j][0], e, e == len(live.tokens))
+                        early[j] = begin_chunk(self.transfer, ps, live, tables[j][0], e, e == len(live.tokens))
 
             def wait_for_layer(layer: int, pool=None) -> None:
                 for h in loads:
@@ -718,7 +506,7 @@ class PrefillEngine:
             picked: dict = {}
             dkw = {} if self.draft is None else dict(
                 draft=self.draft, draft_pools=self._draft_pools, prompts=[live.tokens for live in lives],
-                sampled=lambda target: self._choose(target.logits, lives, chunks, picked))
+                sampled=lambda target: choose_first_tokens(target.logits, lives, chunks, picked))
             with layer_hooks(on_ready=wait_for_layer) if loads else nullcontext():
                 ran = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
                                                                zip(lives, chunks)],
@@ -769,9 +557,9 @@ class PrefillEngine:
             if j in picked:
                 live.first_token = picked[j].token
             if j in early:
-                self._end_send(live, early[j], last, choice)
+                end_chunk(self.transfer, self.stats, live, early[j], last, choice)
             elif live.room is not None and self.transfer is not None:
-                self._send(live, tables[j][0], s, e, last, choice)
+                send_chunk(self.transfer, self.stats, ps, live, tables[j][0], e, last, choice)
             if last:
                 if live.room is not None and self.transfer is not None:
                     self.transfer.finish(live.room)  # every page is sent: the decode may start
@@ -799,50 +587,6 @@ class PrefillEngine:
                 check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
 
-    def _choose(self, logits, lives: list, chunks: list, picked: dict):
-        """Every rank, between the target's forward and the draft's: the first token of each request whose last
-        chunk ran (same logits, same rule and seed on every rank: the admit op carries them), as the ``[B]`` ids
-        the draft reads at those rows (0 elsewhere: rows inside a prompt read the prompt's next token)."""
-        ends = [j for j, (live, (_, _, e)) in enumerate(zip(lives, chunks)) if e == len(live.tokens)]
-        ids = torch.zeros(len(chunks), dtype=torch.int64)
-        if ends:
-            sel = logits if len(ends) == logits.shape[0] else logits[ends]
-            tops = [lives[j].handle.request.top_logprobs if lives[j].handle is not None else 0 for j in ends]
-            for j, c in zip(ends, first_tokens(sel, [lives[j].sampling for j in ends], tops)):
-                picked[j] = c
-                ids[j] = c.token
-        return ids
-
-    def _send(self, live: _Live, table: np.ndarray, s: int, e: int, last: bool, choice) -> None:
-        # Every page not sent yet up to this chunk's end: the first chunk also sends the cached prefix, the one
-        # after a hole the restored pages between them.
-        first_page, end_page = live.sent_pages, -(-e // self.page_size)
-        live.sent_pages = end_page
-        t0 = time.perf_counter()
-        ok = live.transfer_ok and self.transfer.send_chunk(
-            live.room, table, first_page, end_page, last, None if choice is None else choice.token, len(live.tokens))
-        live.transfer_s += time.perf_counter() - t0
-        if live.transfer_ok and not ok:
-            self.stats.transfer_failures += 1
-        live.transfer_ok = bool(ok)
-
-    def _begin_send(self, live: _Live, table: np.ndarray, e: int, last: bool):
-        """``transfer.begin_chunk`` for the pages not sent yet up to ``e`` (as :meth:`_send`), before the forward."""
-        first_page, end_page = live.sent_pages, -(-e // self.page_size)
-        live.sent_pages = end_page
-        t0 = time.perf_counter()
-        chunk = self.transfer.begin_chunk(live.room, table, first_page, end_page, last)
-        live.transfer_s += time.perf_counter() - t0
-        return chunk
-
-    def _end_send(self, live: _Live, chunk, last: bool, choice) -> None:
-        t0 = time.perf_counter()
-        ok = self.transfer.end_chunk(chunk, last, None if choice is None else choice.token, len(live.tokens))
-        live.transfer_s += time.perf_counter() - t0
-        if live.transfer_ok and not ok:
-            self.stats.transfer_failures += 1
-        live.transfer_ok = bool(ok)
-
     def _commit(self, live: _Live) -> None:
         """Insert the prompt's whole pages into the radix cache; free the rest; unlock (as CacheEngine.prefill)."""
         ps, cache = self.page_size, self.cache
@@ -868,92 +612,14 @@ class PrefillEngine:
         ``(handle, result)`` there instead, for :func:`_deliver` at the end of the step)."""
         self.scheduler.remove(live)
         self._live.pop(live.id, None)
-        now = self.clock()
-        m = live.match
-        hits = {"device": m.device_hit, "host": m.host_hit} if m is not None and status == FINISHED else \
-            {"device": 0, "host": 0}
-        if self.cache.l3 is not None:
-            hits["l3"] = m.l3_hit if m is not None and status == FINISHED else 0
-        admitted = live.t_admit if live.t_admit is not None else now
-        res = RequestResult(status, len(live.tokens), cached_tokens=hits, chunks=live.chunks,
-                            computed_tokens=len(live.tokens) - sum(hits.values()) if status == FINISHED else 0,
-                            timings={"queue": admitted - live.t_submit, "prefill": now - admitted,
-                                     "transfer": live.transfer_s, "total": now - live.t_submit},
-                            error=error, refusal=refusal)
-        if status in (CANCELLED, TIMEOUT) and error is None:
-            res.error = "cancelled by the client" if status == CANCELLED else "the request timed out"
-        if choice is not None:
-            res.token, res.logprob, res.top_logprobs = choice.token, choice.logprob, choice.top
-            res.draft_token = live.draft_token
-        if live.room is not None:
-            sent = self.transfer.bytes_sent(live.room) if self.transfer is not None else 0
-            res.transfer = {"room": live.room, "ok": status == FINISHED and live.transfer_ok, "bytes_sent": sent}
-            self.stats.transfer_bytes += sent
-        s = self.stats
-        s.outcomes[status] += 1
-        if status == FINISHED:
-            s.prompt_tokens += len(live.tokens)
-            s.computed_tokens += res.computed_tokens
-            for tier, n in hits.items():
-                s.cached_tokens[tier] = s.cached_tokens.get(tier, 0) + n
+        res = request_result(live, status, self.clock(), self.stats, self.cache.l3 is not None, self.transfer, choice,
+                             error, refusal)
         if live.handle is not None:
             if answers is None:
                 live.handle._finish(res)
             else:
                 answers.append((live.handle, res))
         return live.handle
-
-
-def _random_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little") >> 1
-
-
-def _deliver(answers: list) -> None:
-    for handle, res in answers:
-        handle._finish(res)
-
-
-
-def token_ids(tokens, vocab: int) -> tuple[np.ndarray | None, object]:
-    """``(tokens as an int64 array, None)``, or ``(None, the first entry that is not a token id in [0, vocab))``.
-
-    Vectorised (prompts are long); a 1-D integer array -- what the HTTP layer
-    hands over after its own checks -- skips the per-element type scan.
-    """
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            return None, tokens.reshape(-1)[0]
-        arr = tokens.astype(np.int64, copy=False)
-    else:
-        if not set(map(type, tokens)) <= {int, np.int64}:
-            return None, next(t for t in tokens if type(t) not in (int, np.int64))
-        if max(map(abs, tokens)) >= 2**63:
-            return None, next(t for t in tokens if not 0 <= t < vocab)
-        arr = np.asarray(tokens, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab):  # two reductions; the position only on a refusal
-        return None, tokens[int(np.flatnonzero((arr < 0) | (arr >= vocab))[0])]
-    return arr, None
-
-
-def _graph_replays(forward) -> int:
-    """Replays of captured CUDA graphs so far, for a ``graphed_forward`` (0 for any other forward)."""
-    return graph_counts(forward)[0]
-
-
-_DYNAMO_COUNTERS = None  # torch._dynamo.utils.counters, imported at the first step (importing dynamo is slow)
-
-
-def _compiles() -> int:
-    """Graphs TorchDynamo compiled so far in this process (a dict read: cheap enough for every step).
-
-    The counters object is looked up once: an ``import`` statement inside the function ran the import
-    machinery twice per step, around every forward."""
-    global _DYNAMO_COUNTERS
-    if _DYNAMO_COUNTERS is None:
-        from torch._dynamo.utils import counters
-
-        _DYNAMO_COUNTERS = counters
-    return _DYNAMO_COUNTERS["stats"]["unique_graphs"]
 
 
 __all__ = ["EngineRequest", "PrefillEngine", "RequestHandle", "RequestResult", "Sampling", "SchedulerConfig",
