@@ -125,8 +125,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--draft", action="store_true",
                    help="also prefill the MTP draft layer (model.layers.{num_hidden_layers}; bundled models: a random "
                         "one) after the target on every step: its KV is cached and sent with the target's, and each "
-                        "choice reports draft_token_ids, the draft's guess after the first token (docs/mtp.md); not "
-                        "with --cuda-graphs")
+                        "choice reports draft_token_ids, the draft's guess after the first token (docs/mtp.md); with "
+                        "--cuda-graphs the draft replays a graph of its own per bucket")
     s.set_defaults(func=main)
     return s
 
@@ -184,9 +184,6 @@ def spec_from_args(args):
             raise InputError("--cuda-graphs captures on cuda (--device cuda or auto on a GPU machine)")
         if args.host_pages:
             raise InputError("--cuda-graphs does not take --host-pages (HiCache load-back waits on the host)")
-        if args.draft:
-            raise InputError("--draft is not served with --cuda-graphs yet (the draft runs after the target's "
-                             "sampled token, outside the captured buckets); drop one of them")
     if args.l3 is not None:
         if not args.host_pages:
             raise InputError("--l3 needs --host-pages N (the L3 sits behind the L2 host pool)")

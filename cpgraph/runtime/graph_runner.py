@@ -215,7 +215,9 @@ class _Static:
 class GraphRunner:
     """Pad a batch to its bucket and replay that bucket's CUDA graph (captured on first use).
 
-    ``forward(input_ids, meta) -> logits [B, vocab]`` is the eager model or a
+    ``forward(input_ids, meta) -> logits [B, vocab]`` (or a tuple whose first
+    entry is the logits: the others stay on the bucket's static outputs,
+    :meth:`outputs`, for a companion graph such as the MTP draft's) is the eager model or a
     compiled one (``cpgraph.compile(model, cp, dynamic=False)`` compiles once
     per bucket, before its capture), with the KV pools bound in a closure:
     pools are mutated in place and must keep their addresses
@@ -262,6 +264,11 @@ class GraphRunner:
         self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self._out: dict[Bucket, Tensor] = {}
         self._pool = None
+        self.last_bucket: Bucket | None = None  # the bucket of the latest call (a companion graph replays after it)
+        self._last_out = None  # that call's outputs (the captured buffers, or the eager call's tensors)
+        # Graphs captured over this runner's buckets and statics (the MTP draft's, cpgraph.runtime.draft_graphs):
+        # warm() prepares their bucket right after its own.
+        self.companions: list = []
 
     # ----------------------------------------------------------------- plan
     def plan(self, prefix_lens: Sequence[int], extend_lens: Sequence[int], page_size: int) -> CPPlan:
@@ -312,7 +319,32 @@ class GraphRunner:
         else:
             out = self.forward(static.ids, static.meta)
         self.stats[bucket].replays += 1
-        return out[: meta.last_token_index.shape[0]].clone()
+        self.last_bucket, self._last_out = bucket, out
+        logits = out[0] if isinstance(out, tuple) else out
+        return logits[: meta.last_token_index.shape[0]].clone()
+
+    def outputs(self) -> tuple:
+        """The latest call's outputs after the logits (padded to its bucket; a captured graph's static buffers,
+        overwritten by the next replay of any graph of the pool)."""
+        out = self._last_out
+        return out[1:] if isinstance(out, tuple) else ()
+
+    def static_inputs(self, bucket: Bucket) -> "_Static":
+        """The padded input buffers of ``bucket`` (what its graph reads; a companion graph reads them too)."""
+        return self._static[bucket]
+
+    def captured_outputs(self, bucket: Bucket) -> tuple | None:
+        """The static outputs after the logits of ``bucket``'s captured graph (``None`` when not captured)."""
+        if bucket not in self._graphs:
+            return None
+        out = self._out[bucket]
+        return tuple(out[1:]) if isinstance(out, tuple) else ()
+
+    def graph_pool(self):
+        """The memory pool every graph of this runner is captured into (a companion graph joins it)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def _capturing(self, device) -> bool:
         want = self.capture if self.capture is not None else torch.device(device).type == "cuda"
@@ -393,6 +425,8 @@ class GraphRunner:
             if static is None:
                 static = self._static[bucket] = _Static(bucket, meta, device)
             self._prepare(bucket, static, device, calls=self.warmup_calls if not self._graphs else 1)
+            for companion in self.companions:
+                companion.warm_bucket(self, bucket)
         done = [self.stats[b] for b in todo]
         self.last_warm = WarmSummary(len(todo), time.perf_counter() - t0, sum(s.warmup_s for s in done),
                                      sum(s.capture_s for s in done), collect_s)
@@ -463,8 +497,10 @@ def graphed_forward(model_forward: Callable, *, max_requests: int, cp_size: int 
     For callers that take a forward function (``run_prefill``, ``CacheEngine``,
     ``PrefillEngine``): a :class:`GraphRunner` per set of KV pool tensors (a
     captured graph binds their addresses, so a new pool gets its own graphs).
-    Returns a ``ForwardOutput`` holding the logits only; ``return_topk`` / the
-    MTP draft are not captured and raise.  ``page_size`` (runner keyword):
+    Returns a ``ForwardOutput`` holding the logits (and, with
+    ``return_local_hidden=True``, the hidden rows the MTP draft reads: padded
+    to the bucket, see :func:`cpgraph.runtime.draft_graphs.graphed_draft`);
+    ``return_topk`` is not captured and raises.  ``page_size`` (runner keyword):
     derive the KV-view bucket from the row and prefix buckets, so the buckets
     a token budget can form are few enough to warm all of them
     (:meth:`GraphRunner.reachable_buckets`, ``cpgraph serve``).
@@ -482,22 +518,32 @@ def graphed_forward(model_forward: Callable, *, max_requests: int, cp_size: int 
     runners: dict[tuple, GraphRunner] = {}
     row_buckets = tuple(runner_kw.get("row_buckets") or DEFAULT_ROW_BUCKETS)
 
-    def forward(input_ids, meta, mla_pools, index_pools, **kw):
+    def forward(input_ids, meta, mla_pools, index_pools, return_local_hidden: bool = False, **kw):
         if any(kw.values()):
             raise ValueError(f"graphed_forward: {sorted(k for k, v in kw.items() if v)} not supported (logits only)")
-        key = tuple(t.data_ptr() for t in (*mla_pools, *index_pools))
+        hidden = bool(return_local_hidden)
+        key = (*(t.data_ptr() for t in (*mla_pools, *index_pools)), hidden)
         runner = runners.get(key)
         if runner is None:
             mla, index = list(mla_pools), list(index_pools)
             kw_rows = {**runner_kw, "row_buckets": row_buckets}
-            runner = runners[key] = GraphRunner(lambda i, m: model_forward(i, m, mla, index).logits,
-                                                max_requests=max_requests, cp_size=cp_size, **kw_rows)  # fmt: skip
-        return ForwardOutput(runner(input_ids, meta), None, None)
+            if hidden:  # the draft's input rows are an output of the graph (a static buffer it reads after)
+                def run(i, m):
+                    out = model_forward(i, m, mla, index, return_local_hidden=True)
+                    return out.logits, out.local_hidden
+            else:
+                def run(i, m):
+                    return model_forward(i, m, mla, index).logits
+            runner = runners[key] = GraphRunner(run, max_requests=max_requests, cp_size=cp_size, **kw_rows)
+        forward.last_runner = runner
+        logits = runner(input_ids, meta)
+        return ForwardOutput(logits, None, None, runner.outputs()[0] if hidden else None)
 
     def plan(prefix_lens, extend_lens, page_size: int) -> CPPlan:
         return plan_in_buckets(row_buckets, prefix_lens, extend_lens, cp_size=cp_size, page_size=page_size)
 
     forward.runners = runners
+    forward.last_runner = None  # the runner of the latest call (graphed_draft replays its bucket after it)
     forward.cp_size = cp_size
     forward.plan = plan
     return forward

@@ -118,6 +118,18 @@ from .scheduler import chunk_spans, shared_prefix  # noqa: F401
 
 log = logging.getLogger(__name__)
 
+
+def _graphed_draft(draft) -> bool:
+    """A draft that replays its own graphs over the target's buckets (``graphed_draft``), possibly wrapped
+    (a wrapper exposes the wrapped forward as ``.draft``, as the tests' recorders do)."""
+    from .draft_graphs import DraftGraphs
+
+    while draft is not None:
+        if isinstance(draft, DraftGraphs):
+            return True
+        draft = getattr(draft, "draft", None)
+    return False
+
 STEP_LOG = 4096  # steps kept in PrefillEngine.step_log
 
 
@@ -143,9 +155,11 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
                  scheduler: SchedulerConfig | None = None, request_timeout: float | None = None,
                  max_prompt_tokens: int | None = None, transfer=None, clock: Callable[[], float] = time.monotonic,
                  l3=None, draft: Callable | None = None):
-        if draft is not None and getattr(forward, "runners", None) is not None:
-            raise ValueError("prefill engine: the MTP draft is not served over CUDA-graph buckets (a graphed "
-                             "forward); run the target without graphs")
+        if draft is not None and getattr(forward, "runners", None) is not None and not _graphed_draft(draft):
+            # A graphed target returns its hidden rows padded to the bucket; only the draft's own graphs over the
+            # same buckets read them with the bucket's static meta (cpgraph.runtime.draft_graphs).
+            raise ValueError("prefill engine: over CUDA-graph buckets the MTP draft must replay its own graphs: "
+                             "pass graphed_draft(draft, forward)")
         self.cache = CacheEngine(forward, model, num_pages=num_pages, kv_format=kv_format, page_size=page_size,
                                  rank=rank, cp_size=cp_size, host_pages=host_pages, host_layout=host_layout,
                                  write_policy=write_policy, group=group, l3=l3, draft=draft)
@@ -497,7 +511,7 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
                     h.wait_layer(layer)
 
             t0 = time.perf_counter()
-            replays0, prepared0 = graph_counts(self.cache.forward)
+            replays0, prepared0 = self._graph_counts()
             compiles0 = _compiles()
             # No load-back to wait for: no block (a generator context manager, several Python calls on every step);
             # hooks installed by others (a transfer's on_written) stay in place either way.
@@ -527,7 +541,7 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
             for h in live.match.loads:
                 h.wait_all()
             live.match.loads = []
-        replays1, prepared1 = graph_counts(self.cache.forward)
+        replays1, prepared1 = self._graph_counts()
         cold = prepared1 > prepared0 or _compiles() > compiles0
         self.stats.steps["graph" if replays1 > replays0 else "eager"] += 1
         self.stats.last_step_tokens = tokens = sum(e - s for _, s, e in chunks)
@@ -586,6 +600,14 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
             if debug:
                 check_consistent(self.cache.tree, self.group, device=self.device)
         return finished
+
+    def _graph_counts(self) -> tuple[int, int]:
+        """(replays, buckets prepared) of the target's graphs (a replayed step counts once), plus the buckets the
+        draft's graphs prepared (a step that captured only the draft's graph is cold too)."""
+        replays, prepared = graph_counts(self.cache.forward)
+        if self.draft is not None:
+            prepared += graph_counts(self.draft)[1]
+        return replays, prepared
 
     def _commit(self, live: _Live) -> None:
         """Insert the prompt's whole pages into the radix cache; free the rest; unlock (as CacheEngine.prefill)."""

@@ -133,6 +133,10 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
         # The KV-view bucket follows from the row and prefix buckets: few enough buckets to warm them all.
         forward = graphed_forward(forward, max_requests=spec.max_batch_requests, cp_size=spec.cp,
                                   page_size=spec.page_size if spec.derive_kv_bucket else None)
+        if draft is not None:  # the draft replays its own graph of each bucket, after the host chose the token
+            from cpgraph.runtime.draft_graphs import graphed_draft
+
+            draft = graphed_draft(draft, forward)
     engine = PrefillEngine(forward, model, num_pages=spec.num_pages, page_size=spec.page_size,
                            kv_format=spec.kv_format, rank=rank, cp_size=spec.cp, host_pages=spec.host_pages,
                            group=group, control_group=control_group, src=src, scheduler=sched,

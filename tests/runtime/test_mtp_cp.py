@@ -265,17 +265,27 @@ SERVED_LENS = [40, 70, 17, 33]
 SERVED_TEMPS = [0.0, 3.0, 3.0, 0.0]
 
 
-def job_served_draft(ctx, lens, temps):
+def job_served_draft(ctx, lens, temps, graphs=False):
     with row_invariant_matmul():
-        return _served_draft(ctx, lens, temps)
+        return _served_draft(ctx, lens, temps, graphs)
 
 
-def _served_draft(ctx, lens, temps):
+def _served_draft(ctx, lens, temps, graphs):
     from cpgraph.runtime.prefill_engine import PrefillEngine, engine_request
     from cpgraph.runtime.scheduler import SchedulerConfig
 
     model = _model()
     target, draft = _compiled(ctx, "target"), _compiled(ctx, "draft")
+
+    def forward(*a, **k):
+        return target(*a, **k)
+
+    if graphs:  # as cpgraph serve --cp 2 --cuda-graphs --draft builds them (no capture on CPU: padded buckets)
+        from cpgraph.runtime.draft_graphs import graphed_draft
+        from cpgraph.runtime.graph_runner import graphed_forward
+
+        forward = graphed_forward(forward, max_requests=4, cp_size=ctx.world_size, page_size=PAGE)
+        draft = graphed_draft(draft, forward)
     steps, draft_logits = [], []
 
     def recorded(hidden, dinputs, meta, mla, index):
@@ -283,8 +293,10 @@ def _served_draft(ctx, lens, temps):
         draft_logits.append(out.logits.numpy().copy())
         return out
 
-    eng = PrefillEngine(lambda *a, **k: target(*a, **k), model, num_pages=64, page_size=PAGE, rank=ctx.rank,
-                        cp_size=ctx.world_size, scheduler=SchedulerConfig(token_budget=32), draft=recorded)
+    recorded.draft = draft  # a wrapper names what it wraps (the engine checks a graphed target's draft is graphed)
+
+    eng = PrefillEngine(forward, model, num_pages=64, page_size=PAGE, rank=ctx.rank, cp_size=ctx.world_size,
+                        scheduler=SchedulerConfig(token_budget=32, max_batch_requests=4), draft=recorded)
     run = eng._run
 
     def logged(chunks):
@@ -319,8 +331,11 @@ def job_single_device_drafts(ctx, lens, tokens):
                 for p, t in zip(_prompts(lens, 1), tokens)]
 
 
-def test_served_draft_cp2_reads_the_leaders_first_tokens():
-    results = shared_pool(2, CP_TIMEOUT_S).run(job_served_draft, SERVED_LENS, SERVED_TEMPS)
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graph_buckets"])
+def test_served_draft_cp2_reads_the_leaders_first_tokens(graphs):
+    """``graph_buckets``: the target and the draft over CUDA-graph buckets (``graphed_forward`` planned in row
+    buckets, ``graphed_draft`` on the bucket's padded buffers), as ``--cuda-graphs --draft`` builds them."""
+    results = shared_pool(2, CP_TIMEOUT_S).run(job_served_draft, SERVED_LENS, SERVED_TEMPS, graphs)
     answers, leader, fingerprint = results[0]
     assert [a[1] for a in answers] == ["finished"] * len(SERVED_LENS)
     assert max(a[4] for a in answers) >= 2  # chunked

@@ -182,13 +182,3 @@ def test_a_prompt_of_whole_pages_keeps_its_first_token_for_the_next_turn(tiny):
     cold = _cold(tiny, p + [(first + 1) % 512, 9], other.result.token)
     assert torch.equal(_last_logits(rec, other.result.token), cold.draft_logits[0])
 
-
-def test_a_draft_is_refused_over_cuda_graph_buckets(tiny):
-    model, forward, draft = tiny
-
-    def graphed(*a, **k):
-        return forward(*a, **k)
-
-    graphed.runners = {}
-    with pytest.raises(ValueError, match="not served over CUDA-graph buckets"):
-        PrefillEngine(graphed, model, num_pages=16, page_size=PAGE, draft=draft)

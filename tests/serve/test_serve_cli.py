@@ -59,9 +59,6 @@ def test_draft_flag_errors(tmp_path, capsys):
 
     import cpgraph.models
 
-    assert main(["serve", "--model", "tiny-glm5", "--device", "cuda", "--cuda-graphs", "--draft"]) == 2
-    err = capsys.readouterr().err
-    assert "--draft is not served with --cuda-graphs" in err and err.count("\n") == 1, err
     ckpt = tmp_path / "no-mtp"  # a checkpoint whose config declares no MTP layer
     ckpt.mkdir()
     shutil.copy(Path(cpgraph.models.__file__).parent / "configs" / "tiny-glm5.json", ckpt / "config.json")

@@ -160,3 +160,41 @@ def test_draft_served_on_cuda_with_inductor_equals_run_prefill():
             assert torch.allclose(served[0], ref.draft_logits[0].float().cpu(), atol=TOL, rtol=0)
     finally:
         server.stop()
+
+
+def test_draft_graphs_capture_and_replay_on_cuda():
+    """``cpgraph serve --cuda-graphs --draft`` on one GPU (eager forwards under ``graphed_forward`` and
+    ``graphed_draft``): the first pass captures the target's and the draft's graph of each bucket, the second
+    replays both, and every answer's first token and draft guess are ``run_prefill``'s given that token."""
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.runtime.engine import run_prefill
+    from cpgraph.runtime.graph_runner import graph_counts
+    from cpgraph.serve.app import PrefillServer
+    from cpgraph.serve.node import ServeSpec, build_engine, make_draft, make_forward
+
+    model = from_pretrained("tiny-glm5", device="cuda", draft=True).eval()
+    model.kv_layout = make_layout(model, "bf16", 16)
+    spec = ServeSpec(model="tiny-glm5", page_size=16, num_pages=256, token_budget=256, max_batch_requests=8,
+                     cuda_graphs=True, draft=True)
+    engine = build_engine(model, make_forward(model, spec), spec, draft=make_draft(model, spec))
+    server = PrefillServer(engine, served=("tiny-glm5",)).start_background()
+    try:
+        server.wait_ready()
+        g = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 90, 200)]
+        for rnd in range(2):
+            engine.reset_cache()
+            draft_replays0 = graph_counts(engine.draft)[0]
+            for p in prompts:
+                status, body = post(server.url, {"prompt": p})
+                assert status == 200, body
+                choice = body["choices"][0]
+                ref = run_prefill(lambda *a, **k: model(*a, **k), model, [p], page_size=16,
+                                  draft=model.draft_module(), draft_tokens=choice["token_ids"])
+                assert choice["token_ids"] == [int(ref.logits[0].argmax())]
+                assert choice["draft_token_ids"] == [int(ref.draft_logits[0].argmax())]
+        assert graph_counts(engine.draft)[0] - draft_replays0 == len(prompts)  # the second pass replayed them
+        assert engine.snapshot()["steps"].get("eager", 0) == 0 and engine.cold_steps == 0
+    finally:
+        server.stop()
