@@ -36,7 +36,7 @@ from torch import Tensor
 from cpgraph.models.batch import DraftInputs
 from cpgraph.models.mtp import DraftOutput
 
-from .graph_runner import Bucket, CaptureStats, GraphRunner
+from .graph_runner import Bucket, CaptureStats, GraphRunner, capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -147,24 +147,10 @@ class DraftGraphs:
             self._forward(runner, bucket, static)
             self.stats[key] = CaptureStats(bucket, time.perf_counter() - t0, 0.0, 0, replays=0, calls=1)
             return
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(calls):
-                self._forward(runner, bucket, static)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        t1 = time.perf_counter()
-        before = torch.cuda.memory_reserved(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=runner.graph_pool()):
-            out = self._forward(runner, bucket, static)
-        torch.cuda.synchronize(device)
-        self._graphs[key], self._out[key] = graph, out
-        t2 = time.perf_counter()
-        self.stats[key] = CaptureStats(bucket, t1 - t0, t2 - t1, torch.cuda.memory_reserved(device) - before,
-                                       calls=calls)
-        log.info("draft graphs: captured %s in %.2f s (+%.2f s warm-up)", bucket, t2 - t1, t1 - t0)
+        graph, out, stats = capture_graph(lambda: self._forward(runner, bucket, static), bucket, device,
+                                          runner.graph_pool(), calls, t0)
+        self._graphs[key], self._out[key], self.stats[key] = graph, out, stats
+        log.info("draft graphs: captured %s in %.2f s (+%.2f s warm-up)", bucket, stats.capture_s, stats.warmup_s)
 
 
 def graphed_draft(draft: Callable, target: Callable, **kw) -> DraftGraphs:

@@ -175,6 +175,35 @@ class WarmSummary:
                 f"capture {self.capture_s:.1f} s, gc {self.collect_s:.1f} s")
 
 
+def capture_graph(fn: Callable[[], object], bucket: Bucket, device, pool, calls: int,
+                  t0: float) -> tuple[torch.cuda.CUDAGraph, object, CaptureStats]:
+    """Warm ``fn`` up with ``calls`` calls on a side stream, then capture it into ``pool``.
+
+    Returns the graph, the captured outputs (static buffers) and the stats; ``t0`` is when the bucket's
+    preparation began (its warm-up time counts from there).  Shared by the runner and its companion
+    graphs (the MTP draft's), which join the same pool.
+    """
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    # torch.cuda.graph empties the allocator's cache on entry; do it first (cheap, unlike a collection)
+    # so that the growth of reserved memory measured across the capture is the graph pool's new segments.
+    torch.cuda.empty_cache()
+    t1 = time.perf_counter()
+    before = torch.cuda.memory_reserved(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    torch.cuda.synchronize(device)
+    t2 = time.perf_counter()
+    return graph, out, CaptureStats(bucket, t1 - t0, t2 - t1, torch.cuda.memory_reserved(device) - before,
+                                    calls=calls)
+
+
 class _Static:
     """The padded input buffers of one bucket, allocated outside any graph pool."""
 
@@ -368,30 +397,11 @@ class GraphRunner:
             self.stats[bucket] = CaptureStats(bucket, time.perf_counter() - t0, 0.0, 0)
             return
         calls = self.warmup_calls if calls is None else max(1, int(calls))
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
-            for _ in range(calls):
-                self.forward(static.ids, static.meta)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        # torch.cuda.graph empties the allocator's cache on entry; do it first (cheap, unlike a collection)
-        # so that the growth of reserved memory measured across the capture is the graph pool's new segments.
-        torch.cuda.empty_cache()
-        t1 = time.perf_counter()
-        before = torch.cuda.memory_reserved(device)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.forward(static.ids, static.meta)
-        torch.cuda.synchronize(device)
-        self._graphs[bucket], self._out[bucket] = graph, out
-        t2 = time.perf_counter()
-        self.stats[bucket] = CaptureStats(bucket, t1 - t0, t2 - t1, torch.cuda.memory_reserved(device) - before,
-                                          calls=calls)
-        log.info("graph_runner: captured %s in %.2f s (+%.2f s warm-up, %d call(s)), pool +%d B", bucket, t2 - t1,
-                 t1 - t0, calls, self.stats[bucket].pool_bytes)  # fmt: skip
+        graph, out, stats = capture_graph(lambda: self.forward(static.ids, static.meta), bucket, device,
+                                          self.graph_pool(), calls, t0)
+        self._graphs[bucket], self._out[bucket], self.stats[bucket] = graph, out, stats
+        log.info("graph_runner: captured %s in %.2f s (+%.2f s warm-up, %d call(s)), pool +%d B", bucket,
+                 stats.capture_s, stats.warmup_s, calls, stats.pool_bytes)  # fmt: skip
 
     def warm(self, buckets: Sequence[Bucket]) -> int:
         """Prepare (compile and, on CUDA, capture) each bucket not prepared yet, on all-padding inputs.
