@@ -16,16 +16,19 @@ every bucket it prepares, and a later mix prepares none.
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from cpgraph.models import from_pretrained
-from cpgraph.models.prefill import make_layout
 from cpgraph.runtime.draft_graphs import graphed_draft
 from cpgraph.runtime.graph_runner import graph_counts, graphed_forward
 from cpgraph.runtime.prefill_engine import PrefillEngine, engine_request
 from cpgraph.runtime.scheduler import SchedulerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_tiny import tiny_with_draft  # noqa: E402
 
 pytestmark = pytest.mark.bitexact
 
@@ -34,13 +37,7 @@ PAGE, BUDGET, MAX_REQ = 16, 64, 4
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = from_pretrained("tiny-glm5", draft=True).eval()
-    model.kv_layout = make_layout(model, "bf16", PAGE)
-
-    def forward(ids, meta, mla, index, **kw):
-        return model(ids, meta, mla, index, **kw)
-
-    return model, forward, model.draft_module()
+    return tiny_with_draft(PAGE)
 
 
 class _Recorded:

@@ -14,14 +14,18 @@ Eager forwards, one device, the bundled tiny GLM-5 with its seeded draft.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from cpgraph.models import from_pretrained
-from cpgraph.models.prefill import make_layout
 from cpgraph.runtime.engine import run_prefill
 from cpgraph.runtime.prefill_engine import PrefillEngine, engine_request
 from cpgraph.runtime.scheduler import SchedulerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_tiny import tiny_with_draft  # noqa: E402
 
 pytestmark = pytest.mark.bitexact
 
@@ -42,13 +46,7 @@ class _Recorded:
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = from_pretrained("tiny-glm5", draft=True).eval()
-    model.kv_layout = make_layout(model, "bf16", PAGE)
-
-    def forward(ids, meta, mla, index, **kw):
-        return model(ids, meta, mla, index, **kw)
-
-    return model, forward, model.draft_module()
+    return tiny_with_draft(PAGE)
 
 
 def _engine(tiny, budget=48, **kw):
