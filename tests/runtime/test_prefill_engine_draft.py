@@ -180,3 +180,46 @@ def test_a_prompt_of_whole_pages_keeps_its_first_token_for_the_next_turn(tiny):
     cold = _cold(tiny, p + [(first + 1) % 512, 9], other.result.token)
     assert torch.equal(_last_logits(rec, other.result.token), cold.draft_logits[0])
 
+
+
+def test_a_cancelled_chunked_request_returns_the_ledger(tiny):
+    eng, _ = _engine(tiny, budget=32)
+    [warm, long] = _prompts([40, 200], seed=4)
+    eng.submit(engine_request(warm))
+    eng.run_until_idle()
+    eng.sync()
+    before = (eng.cache.device.ledger.used.copy(), eng.cache.pool.num_free, eng.cache.tree.device_pages_total)
+    h = eng.submit(engine_request(long))
+    eng.step()
+    eng.step()  # two chunks computed (target and draft records in its own pages)
+    assert not h.done() and eng.cache.device.ledger.used[0] > before[0][0]
+    eng.cancel(h)
+    eng.step()
+    assert h.result.status == "cancelled"
+    after = (eng.cache.device.ledger.used, eng.cache.pool.num_free, eng.cache.tree.device_pages_total)
+    assert (after[0] == before[0]).all() and after[1:] == before[1:]
+
+
+def test_an_l3_hit_restores_the_drafts_records_and_keeps_the_next_token_rule(tiny, tmp_path):
+    """A restarted engine over the same page store: the prompt's pages come from L3 with the draft's layer
+    and the token that followed each page; a prompt that continues differently at a page boundary gets one
+    page less from L3 (its last record encodes the stored token), and both answer like a cold run."""
+    store = f"file:{tmp_path / 'l3'}"
+    [p] = _prompts([3 * PAGE + 5], seed=5)
+    first, _ = _engine(tiny, host_pages=64, l3=store)
+    h = first.submit(engine_request(p))
+    first.run_until_idle()
+    first.sync()
+    first.close()  # stores what L3 lacks
+    assert h.result.status == "finished"
+    other = p[: 2 * PAGE] + [(p[2 * PAGE] + 1) % 512] + p[2 * PAGE + 1 :]
+    for prompt, l3_hit in ((p, 3 * PAGE), (other, PAGE)):
+        eng, rec = _engine(tiny, host_pages=64, l3=store)  # a fresh engine: only L3 holds the pages
+        r = eng.submit(engine_request(prompt))
+        eng.run_until_idle()
+        res = r.result
+        assert res.status == "finished" and res.cached_tokens["l3"] == l3_hit, res.cached_tokens
+        cold = _cold(tiny, prompt, res.token)
+        assert res.token == int(cold.logits[0].argmax())
+        assert torch.equal(_last_logits(rec, res.token), cold.draft_logits[0])
+        eng.close()
