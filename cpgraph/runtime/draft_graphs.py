@@ -84,7 +84,8 @@ class DraftGraphs:
         self._static: dict[tuple, _DraftStatic] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._out: dict[tuple, Tensor] = {}
-        self._like: tuple | None = None  # (draft inputs, hidden, pools) of the first call: dtypes, widths, pools
+        self._like: tuple | None = None  # (draft inputs, hidden) of the first call: dtypes and widths
+        self._pools: dict[int, tuple] = {}  # id(runner) -> the draft layer's (mla, index) pools its graphs bind
 
     def __call__(self, hidden: Tensor, dinputs: DraftInputs, meta, mla: Tensor, index: Tensor) -> DraftOutput:
         runner: GraphRunner = self.target.last_runner
@@ -94,7 +95,8 @@ class DraftGraphs:
             runner.companions.append(self)
         bucket = runner.last_bucket
         if self._like is None:
-            self._like = (dinputs, hidden, (mla, index))
+            self._like = (dinputs, hidden)
+        self._pools[id(runner)] = (mla, index)
         key = (id(runner), bucket)
         static = self._static.get(key)
         if static is None:
@@ -116,7 +118,7 @@ class DraftGraphs:
         """Prepare the draft's graph of ``bucket`` right after the target's (``GraphRunner.warm``), on the
         padding the target's warm-up left in the static buffers (no KV write).  Needs one real call first."""
         key = (id(runner), bucket)
-        if self._like is None or key in self.stats:
+        if self._like is None or id(runner) not in self._pools or key in self.stats:
             return
         static = self._static[key] = _DraftStatic(bucket, self._like[0], self._like[1].device)
         self._prepare(runner, bucket, static, calls=1)
@@ -134,7 +136,7 @@ class DraftGraphs:
         return torch.zeros(bucket.rows, like.shape[1], dtype=like.dtype, device=like.device)
 
     def _forward(self, runner: GraphRunner, bucket: Bucket, static: _DraftStatic) -> Tensor:
-        mla, index = self._like[2]
+        mla, index = self._pools[id(runner)]
         return self.draft(self._hidden(runner, bucket), static.inputs, runner.static_inputs(bucket).meta,
                           mla, index).logits
 

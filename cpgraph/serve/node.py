@@ -146,6 +146,8 @@ def build_engine(model, forward, spec: ServeSpec, *, rank: int = 0, group=None, 
         from cpgraph.runtime.graph_runner import bind_pool_addresses
 
         bind_pool_addresses(engine.cache.pools[0] + engine.cache.pools[1])
+        if draft is not None:  # the draft's graphs bind its layer's pools too
+            bind_pool_addresses(engine._draft_pools)
     if transfer is not None:
         engine.transfer = transfer(engine)
     return engine
