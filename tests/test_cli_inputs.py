@@ -212,7 +212,7 @@ def test_verbose_sets_the_cpgraph_logger_level(capsys):
 
 
 def test_cp_timing_line_separates_computed_and_cached_tokens():
-    from cpgraph.cli_run import cp_timing_line
+    from cpgraph.cli_run_cp import cp_timing_line
     from cpgraph.runtime.cp_run import CPRunResult
 
     empty = torch.zeros(1, 1)
