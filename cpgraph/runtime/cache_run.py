@@ -1,7 +1,7 @@
 """``cpgraph run --cache``: the CLI's use of a :class:`~cpgraph.runtime.cache_engine.CacheEngine`.
 
 The two-pass warm-cache check and the default L1 capacity for a fixed set of
-prompts are what ``cpgraph run --cache`` needs (``cli_run``, and each rank
+prompts are what ``cpgraph run --cache`` needs (``cli_run_cache``, and each rank
 in ``cp_run``), not part of the engine: the serving engine uses neither.
 """
 
