@@ -25,6 +25,7 @@ EXAMPLES: dict[str | None, str] = {
     "--host": "cpgraph serve --model tiny-glm5 --host 127.0.0.1",
     "--port": "cpgraph serve --model tiny-glm5 --port 0",
     "--cp": "cpgraph serve --model tiny-glm5 --cp 2 --backend aot_eager",
+    "--ep": "cpgraph serve --model ./DeepSeek-V3.2 --cp 8 --ep 8 --device cuda --weights fp8",
     "--device": "cpgraph serve --model ./GLM-5 --device cuda",
     "--backend": "cpgraph serve --model tiny-glm5 --backend inductor",
     "--kv-format": "cpgraph serve --model tiny-deepseek-v32-fp8 --kv-format fp8",
@@ -69,6 +70,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--cp", type=int, default=1,
                    help="CP group size: without torchrun, spawns N ranks on this machine (gloo on cpu, one GPU per "
                         "rank on cuda); under torchrun WORLD_SIZE / cp data-parallel groups (default 1)")
+    s.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism over each CP group: 1, or equal to --cp (each rank holds and computes "
+                        "1/ep of the routed experts; how V3.2 and GLM-5 fit on 8 GPUs; docs/expert_parallel.md) "
+                        "(default 1)")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cpu, or cuda (a CP rank on cuda:LOCAL_RANK) (default auto: cuda when visible)")
     s.add_argument("--backend", choices=("eager", "aot_eager", "inductor"), default=None,
@@ -139,7 +144,7 @@ def _positive(name: str, value, minimum: int = 1) -> None:
 def spec_from_args(args):
     """Check the flags (no model is loaded) and return the :class:`~cpgraph.serve.node.ServeSpec`."""
     from cpgraph.models.config import bundled_names
-    from cpgraph.runtime.inputs import check_mooncake, check_weights, model_config
+    from cpgraph.runtime.inputs import check_mooncake, check_parallel, check_weights, model_config
 
     missing = [m for m in ("aiohttp", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
@@ -189,6 +194,8 @@ def spec_from_args(args):
             raise InputError("--l3 needs --host-pages N (the L3 sits behind the L2 host pool)")
         check_l3(args.l3, cuda_graphs=args.cuda_graphs)
     cfg = model_config(args.model)  # config.json only: bad names fail before any weight is read
+    check_parallel(cp=args.cp, ep=args.ep,
+                   num_experts=cfg.n_routed_experts if "sparse" in cfg.mlp_layer_types else None)
     check_weights(args.model, args.weights, cfg)
     if args.draft and cfg.num_nextn_predict_layers < 1 and str(args.model) not in bundled_names():
         raise InputError(f"--draft: {args.model} declares no MTP layer (num_nextn_predict_layers is 0 or absent)")
@@ -197,7 +204,7 @@ def spec_from_args(args):
     from cpgraph.serve.node import ServeSpec
 
     return ServeSpec(model=str(args.model), served_name=args.served_model_name, host=args.host, port=args.port,
-                     cp=args.cp, device=args.device, backend=backend, kv_format=args.kv_format, dtype=args.dtype,
+                     cp=args.cp, ep=args.ep, device=args.device, backend=backend, kv_format=args.kv_format, dtype=args.dtype,
                      weights=args.weights, page_size=args.page, num_pages=args.num_pages, host_pages=args.host_pages,
                      l3=args.l3, token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
                      max_batch_requests=args.max_batch_requests, max_queue=args.max_queue,

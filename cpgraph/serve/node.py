@@ -39,6 +39,7 @@ class ServeSpec:
     host: str = "127.0.0.1"
     port: int = 8000
     cp: int = 1
+    ep: int = 1  # expert parallelism over the CP group: 1 or cp (docs/expert_parallel.md)
     device: str = "auto"
     backend: str = "eager"  # eager (one device only), aot_eager, inductor
     kv_format: str = "bf16"
@@ -98,6 +99,7 @@ def make_forward(model, spec: ServeSpec, cp_config=None):
     def forward(ids, meta, mla, index, **kw):
         return compiled(ids, meta, mla, index, **kw)
 
+    forward.compiled = compiled  # its pass history says what the CP passes inserted (the EP check)
     return forward
 
 
@@ -235,13 +237,20 @@ def _make_peer(rank: int, overlap: bool = True):
     return attach
 
 
-def _server(engine, spec: ServeSpec, port: int, transfer_info=None):
+def _server(engine, spec: ServeSpec, port: int, transfer_info=None, forward=None):
     from .app import PrefillServer
 
     encode, decode = _tokenizer(spec, engine.vocab)
+
+    def warmup() -> None:
+        warm_up(engine, spec.warmup_tokens, spec.warmup_prefix_tokens)
+        if spec.ep > 1:  # the warm-up compiled the forward: each rank holds 1/ep of the experts, so the graph
+            from cpgraph.runtime.launch import check_expert_parallel_graph  # must route rows to their ranks
+
+            check_expert_parallel_graph(getattr(getattr(forward, "compiled", None), "cpgraph_passes", None), spec.ep)
+
     return PrefillServer(engine, served=served_names(spec), host=spec.host, port=port, encode=encode, decode=decode,
-                         warmup=lambda: warm_up(engine, spec.warmup_tokens, spec.warmup_prefix_tokens),
-                         transfer_info=transfer_info)
+                         warmup=warmup, transfer_info=transfer_info)
 
 
 def _announce(url: str) -> None:
@@ -288,7 +297,7 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
     from cpgraph.runtime.launch import LaunchSpec, load_rank_model, rank_layout, read_env, resolve_device
 
     env = read_env(environ)
-    lay = rank_layout(env.world_size, spec.cp)
+    lay = rank_layout(env.world_size, spec.cp, spec.ep)
     device = resolve_device(spec.device, env.local_rank)
     gid, grank = lay.group_of(env.rank), lay.group_rank(env.rank)
     leader = grank == 0
@@ -308,14 +317,15 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
         control = [dist.new_group(lay.group_ranks(g), backend="gloo", timeout=timeout) for g in range(lay.dp)] \
             if cuda or lay.dp > 1 else [dist.group.WORLD]
         group, ctl = groups[gid], control[gid]
-        from cpgraph.passes import CPConfig
+        from cpgraph.runtime.launch import compiler_config
 
         launch = LaunchSpec(model=spec.model, cp=spec.cp, device=str(device.type), kv_format=spec.kv_format,
                             dtype=spec.dtype, weights=spec.weights, page_size=spec.page_size)
         model, layout = load_rank_model(launch, lay, grank, draft=spec.draft)
         model = model.to(device).eval()
         model.kv_layout = layout
-        cp_config = CPConfig(group=group, cp_size=spec.cp, deterministic=spec.deterministic)
+        _report_weights(model, lay, env.rank, gid)
+        cp_config = compiler_config(lay, group, spec.deterministic)  # with ep > 1: the expert-parallel dispatch
         forward = make_forward(model, spec, cp_config)
         if not cuda:  # the ranks share this machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.cp))
@@ -327,7 +337,7 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
             peers = [None] * spec.cp
             dist.all_gather_object(peers, engine.transfer.address, group=ctl)
         if leader:
-            server = _server(engine, spec, spec.port + gid if spec.port else 0, _transfer_info(engine, peers))
+            server = _server(engine, spec, spec.port + gid if spec.port else 0, _transfer_info(engine, peers), forward)
             return server.serve_forever(on_listening=lambda url: _announce(f"{url} (CP group {gid}, ranks "
                                                                            f"{lay.group_ranks(gid)})"))
         engine.follow()
@@ -335,6 +345,20 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def _report_weights(model, lay, rank: int, group: int) -> None:
+    """One line per rank: the weight bytes it holds and, under EP, which routed experts (an operator sees the
+    shards; a test checks them)."""
+    from cpgraph.runtime.engine import weight_bytes_per_rank
+
+    cfg = model.config
+    experts = ""
+    if lay.ep > 1:
+        first, end = lay.expert_range(rank, cfg.n_routed_experts)
+        experts = f", routed experts [{first}, {end}) of {cfg.n_routed_experts}"
+    log.info("cpgraph serve: rank %d (CP group %d) holds %.3f GiB of weights%s", rank, group,
+             weight_bytes_per_rank(model) / 2**30, experts)
 
 
 def _local_rank(rank: int, spec: ServeSpec, port: int) -> None:

@@ -1,0 +1,97 @@
+"""``cpgraph serve --cp 2 --ep 2``: each rank holds half of the routed experts and the node answers like one device.
+
+The real command on this machine (``--cp`` without torchrun spawns the two
+gloo ranks), aot_eager: each rank loads only its expert shard (the bundled
+tiny GLM-5 is drawn whole and cut), compiles with the expert-parallel
+dispatch (the warm-up checks the compiled graph has it), and the answers
+equal the single-device ``prefill_logits`` within ``TOL`` (CP and EP change
+reduction shapes: the 2e-5 of the other CP serving tests).  A prompt longer
+than the budget runs chunked.  SIGTERM to the command drains and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_utils import get, logprob_table, post  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 2e-5
+
+
+def test_cp2_ep2_node_answers_like_one_device_and_drains():
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import prefill_logits
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "cpgraph", "serve", "--model", "tiny-glm5", "--cp", "2", "--ep", "2",
+           "--backend", "aot_eager", "--device", "cpu", "--port", "0", "--warmup-tokens", "16",
+           "--token-budget", "32", "--dtype", "float32"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines, url = [], None
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()  # every rank's lines, whenever they come (a follower's may follow the leader's address)
+    try:
+        deadline = time.monotonic() + 300
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(lines))
+            url = m.group(1) if m else None
+            time.sleep(0.05)
+        assert url is not None, "".join(lines)
+        for _ in range(6000):  # the warm-up compiles on both ranks: bounded wait
+            status, health = get(url, "/health")
+            if status == 200 or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert status == 200, (health, "".join(lines))
+        # Each rank loaded its own half of the routed experts (and holds fewer bytes than the whole model).
+        shards = sorted(re.findall(r"routed experts \[(\d+), (\d+)\) of (\d+)", "".join(lines)))
+        assert len(shards) == 2, "".join(lines)
+        (a0, a1, n), (b0, b1, _) = [tuple(map(int, s)) for s in shards]
+        assert (a0, a1, b0, b1) == (0, n // 2, n // 2, n), shards
+        g = torch.Generator().manual_seed(11)
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 70, 9)]
+        want = prefill_logits(from_pretrained("tiny-glm5", dtype=torch.float32), prompts).log_softmax(-1)
+        for p, w in zip(prompts, want):
+            status, body = post(url, {"prompt": p, "max_tokens": 1, "logprobs": 3})
+            assert status == 200, body
+            choice = body["choices"][0]
+            assert choice["token_ids"] == [int(w.argmax())]
+            for tok, lp in logprob_table(choice).items():
+                assert abs(lp - float(w[tok])) <= TOL, (tok, lp, float(w[tok]))
+            if len(p) > 32:
+                assert choice["prefill"]["chunks"] >= 2
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+        assert "draining 0 request(s) in flight" in "".join(lines) and proc.returncode == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_ep_flag_errors(capsys):
+    from cpgraph.cli import main
+
+    assert main(["serve", "--model", "tiny-glm5", "--cp", "2", "--ep", "4", "--backend", "aot_eager"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep must be 1 or equal to --cp (2)" in err and err.count("\n") == 1, err
+    assert main(["serve", "--model", "tiny-glm5", "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep must be 1 or equal to --cp (1)" in err and err.count("\n") == 1, err
