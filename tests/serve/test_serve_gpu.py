@@ -62,10 +62,13 @@ def test_cuda_graph_steps_replay_and_match_prefill_logits():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_cp2_cuda_graph_server_replays_and_matches_prefill_logits():
+@pytest.mark.parametrize("extra", [[], ["--ep", "2", "--draft"]], ids=["cp2", "cp2_ep2_draft"])
+def test_cp2_cuda_graph_server_replays_and_matches_prefill_logits(extra):
     """``cpgraph serve --cp 2 --cuda-graphs`` on two GPUs (NCCL, Inductor): the warm-up captures every bucket of
     the budget on both ranks, then every step under load replays a graph (no cold step) and the answers
-    match ``prefill_logits`` on one GPU within ``TOL`` (CP and padded buckets change reduction shapes)."""
+    match ``prefill_logits`` on one GPU within ``TOL`` (CP and padded buckets change reduction shapes).
+    ``cp2_ep2_draft``: each rank holds half of the routed experts (the all-to-all dispatch inside the captured
+    graphs) and the MTP draft replays its own graphs; every choice names a draft token."""
     import os
     import re
     import signal
@@ -81,7 +84,7 @@ def test_cp2_cuda_graph_server_replays_and_matches_prefill_logits():
     proc = subprocess.Popen([sys.executable, "-m", "cpgraph", "serve", "--model", "tiny-glm5", "--port", "0",
                              "--cp", "2", "--device", "cuda", "--backend", "inductor", "--cuda-graphs",
                              "--page", "16", "--num-pages", "256", "--token-budget", "256",
-                             "--max-batch-requests", "8", "--warmup-prefix-tokens", "0"], cwd=root, env=env,
+                             "--max-batch-requests", "8", "--warmup-prefix-tokens", "0", *extra], cwd=root, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
@@ -107,6 +110,7 @@ def test_cp2_cuda_graph_server_replays_and_matches_prefill_logits():
             assert choice["token_ids"] == [int(r.argmax())]
             for tok, lp in logprob_table(choice).items():
                 assert abs(lp - float(r[tok])) <= TOL, (tok, lp, float(r[tok]))
+            assert ("draft_token_ids" in choice) == ("--draft" in extra)
         page = get(url, "/metrics")[1]
         assert metric(page, "cpgraph_steps_total", 'kind="graph"') == len(prompts)
         assert metric(page, "cpgraph_steps_total", 'kind="eager"') == 0
