@@ -1,5 +1,9 @@
 """``cpgraph serve --cp 2 --ep 2``: each rank holds half of the routed experts and the node answers like one device.
 
+Two models: the bundled tiny GLM-5, and a DeepSeek-V3.2-shaped FP8 block-quantized checkpoint on disk
+(written as the releases are, ``tests/models/test_fp8_checkpoint.py``) served with ``--weights fp8``:
+each rank reads only its experts' e4m3 stacks and scales.
+
 The real command on this machine (``--cp`` without torchrun spawns the two
 gloo ranks), aot_eager: each rank loads only its expert shard (the bundled
 tiny GLM-5 is drawn whole and cut), compiles with the expert-parallel
@@ -24,6 +28,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from serve_utils import get, logprob_table, post  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -31,16 +36,33 @@ ROOT = Path(__file__).resolve().parents[2]
 TOL = 2e-5
 
 
-def test_cp2_ep2_node_answers_like_one_device_and_drains():
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hf_oracle import make_pair
+    from test_fp8_checkpoint import blocky, per_expert, write_fp8_checkpoint
+
+    hf, _ = make_pair(blocky("deepseek_v32"), seed=5)
+    root = tmp_path_factory.mktemp("ds-fp8-ep")
+    write_fp8_checkpoint(root, blocky("deepseek_v32"), per_expert(hf.state_dict()))
+    return str(root)
+
+
+@pytest.mark.parametrize("which", ["tiny-glm5", "fp8-checkpoint"])
+def test_cp2_ep2_node_answers_like_one_device_and_drains(which, request):
     from cpgraph.models import from_pretrained
     from cpgraph.models.prefill import prefill_logits
+
+    model, load = which, {}
+    if which == "fp8-checkpoint":
+        model, load = request.getfixturevalue("fp8_checkpoint"), {"weights": "fp8"}
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "cpgraph", "serve", "--model", "tiny-glm5", "--cp", "2", "--ep", "2",
+    cmd = [sys.executable, "-m", "cpgraph", "serve", "--model", model, "--cp", "2", "--ep", "2",
            "--backend", "aot_eager", "--device", "cpu", "--port", "0", "--warmup-tokens", "16",
-           "--token-budget", "32", "--dtype", "float32"]
+           "--token-budget", "32", "--dtype", "float32", *(["--weights", "fp8"] if load else [])]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     lines, url = [], None
@@ -65,8 +87,10 @@ def test_cp2_ep2_node_answers_like_one_device_and_drains():
         (a0, a1, n), (b0, b1, _) = [tuple(map(int, s)) for s in shards]
         assert (a0, a1, b0, b1) == (0, n // 2, n // 2, n), shards
         g = torch.Generator().manual_seed(11)
-        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 70, 9)]
-        want = prefill_logits(from_pretrained("tiny-glm5", dtype=torch.float32), prompts).log_softmax(-1)
+        reference = from_pretrained(model, dtype=torch.float32, **load)
+        vocab = reference.config.vocab_size
+        prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (30, 70, 9)]
+        want = prefill_logits(reference, prompts).float().log_softmax(-1)
         for p, w in zip(prompts, want):
             status, body = post(url, {"prompt": p, "max_tokens": 1, "logprobs": 3})
             assert status == 200, body
