@@ -33,6 +33,7 @@ EXAMPLES: dict[str | None, str] = {
     "--weights": "cpgraph serve --model ./DeepSeek-V3.2 --device cuda --dtype bfloat16 --weights fp8",
     "--page": "cpgraph serve --model ./GLM-5 --page 64",
     "--num-pages": "cpgraph serve --model tiny-glm5 --num-pages 8192",
+    "--kv-memory-fraction": "cpgraph serve --model ./GLM-5 --device cuda --num-pages auto --kv-memory-fraction 0.85",
     "--host-pages": "cpgraph serve --model tiny-glm5 --host-pages 16384",
     "--l3": "cpgraph serve --model tiny-glm5 --host-pages 4096 --l3 file:/var/cache/cpgraph",
     "--token-budget": "cpgraph serve --model tiny-glm5 --token-budget 4096",
@@ -82,7 +83,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_model_format_flags(s, "FP8 checkpoints: dequantize to --dtype (the default) or keep the e4m3 projections (fp8)")
     s.add_argument("--page", type=int, default=16, help="KV page size, a power of two (default 16; 64 for the "
                                                         "production kernels)")
-    s.add_argument("--num-pages", type=int, default=4096, help="KV pages per rank (L1, the device pool) (default 4096)")
+    s.add_argument("--num-pages", type=_pages, default=4096, metavar="N|auto",
+                   help="KV pages per rank (L1, the device pool), or auto: what the device has left after the weights "
+                        "and one step's planned activations, within --kv-memory-fraction (under CP the smallest over "
+                        "the ranks) (default 4096)")
+    s.add_argument("--kv-memory-fraction", type=float, default=None, metavar="F",
+                   help="with --num-pages auto: the share of the device (CUDA) or of the available host memory "
+                        "(CPU) the rank may fill, weights included; the rest is headroom (default 0.9)")
     s.add_argument("--host-pages", type=int, default=0,
                    help="L2 host pages per rank for HiCache (default 0: no L2)")
     s.add_argument("--l3", default=None, metavar="SPEC",
@@ -136,6 +143,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
+def _pages(text: str):
+    """``--num-pages``: a page count, or ``auto`` (``None``: sized from the memory left, cpgraph.runtime.kv_budget)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a page count or auto, got {text!r}") from None
+
+
 def _positive(name: str, value, minimum: int = 1) -> None:
     if value < minimum:
         raise InputError(f"{name} must be >= {minimum}, got {value}")
@@ -160,9 +177,15 @@ def spec_from_args(args):
     _positive("--page", args.page)
     if args.page & (args.page - 1):
         raise InputError(f"--page must be a power of two, got {args.page}")
-    for flag, v in (("--num-pages", args.num_pages), ("--max-batch-requests", args.max_batch_requests),
-                    ("--max-queue", args.max_queue)):
+    for flag, v in (("--max-batch-requests", args.max_batch_requests), ("--max-queue", args.max_queue)):
         _positive(flag, v)
+    if args.num_pages is not None:
+        _positive("--num-pages", args.num_pages)
+    if args.kv_memory_fraction is not None:
+        if args.num_pages is not None:
+            raise InputError("--kv-memory-fraction applies to --num-pages auto")
+        if not 0.0 < args.kv_memory_fraction <= 1.0:
+            raise InputError(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")
     _positive("--host-pages", args.host_pages, 0)
     _positive("--warmup-tokens", args.warmup_tokens, 0)
     if args.warmup_prefix_tokens is not None:
@@ -205,7 +228,8 @@ def spec_from_args(args):
 
     return ServeSpec(model=str(args.model), served_name=args.served_model_name, host=args.host, port=args.port,
                      cp=args.cp, ep=args.ep, device=args.device, backend=backend, kv_format=args.kv_format, dtype=args.dtype,
-                     weights=args.weights, page_size=args.page, num_pages=args.num_pages, host_pages=args.host_pages,
+                     weights=args.weights, page_size=args.page, num_pages=args.num_pages,
+                     kv_memory_fraction=args.kv_memory_fraction or 0.9, host_pages=args.host_pages,
                      l3=args.l3, token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
                      max_batch_requests=args.max_batch_requests, max_queue=args.max_queue,
                      max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout or None,

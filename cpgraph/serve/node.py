@@ -46,7 +46,8 @@ class ServeSpec:
     dtype: str | None = None
     weights: str | None = None
     page_size: int = 16
-    num_pages: int = 4096
+    num_pages: int | None = 4096  # None: sized from the memory left (--num-pages auto, cpgraph.runtime.kv_budget)
+    kv_memory_fraction: float = 0.9  # with num_pages None: the share of the device the rank may fill
     host_pages: int = 0
     l3: str | None = None  # an L3 page store spec (cpgraph.runtime.storage.parse_spec)
     token_budget: int = 2048
@@ -266,6 +267,8 @@ def serve_single(spec: ServeSpec) -> int:
     model = from_pretrained(spec.model, dtype=_dtype(spec.dtype), device=device, weights=spec.weights,
                             draft=spec.draft).eval()
     model.kv_layout = make_layout(model, spec.kv_format, spec.page_size)
+    if spec.num_pages is None:
+        spec = replace(spec, num_pages=auto_pages(model, spec))
     engine = build_engine(model, make_forward(model, spec), spec,
                           transfer=_make_peer(0, not spec.cuda_graphs) if spec.kv_transfer else None,
                           draft=make_draft(model, spec))
@@ -325,6 +328,21 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
         model = model.to(device).eval()
         model.kv_layout = layout
         _report_weights(model, lay, env.rank, gid)
+        if spec.num_pages is None:  # every rank of the group must hold the same capacity: the smallest
+            from cpgraph.runtime.kv_budget import agree_pages
+
+            from cpgraph.runtime.inputs import InputError
+
+            try:
+                mine, error = auto_pages(model, spec, rank=env.rank), None
+            except InputError as exc:  # still join the agreement: the others must not wait for this rank
+                mine, error = 0, exc
+            pages = agree_pages(mine, group=ctl)
+            if pages < 1:
+                raise error or InputError("another rank of the CP group has no room for a KV pool (its log says why)")
+            spec = replace(spec, num_pages=pages)
+            log.info("cpgraph serve: CP group %d: %d KV pages per rank (the smallest over its ranks)", gid,
+                     spec.num_pages)
         cp_config = compiler_config(lay, group, spec.deterministic)  # with ep > 1: the expert-parallel dispatch
         forward = make_forward(model, spec, cp_config)
         if not cuda:  # the ranks share this machine's cores
@@ -345,6 +363,21 @@ def serve_rank(spec: ServeSpec, environ=None) -> int:
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def auto_pages(model, spec: ServeSpec, rank: int = 0) -> int:
+    """``--num-pages auto``: this rank's pool size from the memory left (:mod:`cpgraph.runtime.kv_budget`)."""
+    from cpgraph.runtime.inputs import user_input
+    from cpgraph.runtime.kv_budget import pool_budget
+
+    with user_input("--num-pages auto"):
+        budget = pool_budget(model, page_size=spec.page_size, kv_format=spec.kv_format,
+                             token_budget=spec.token_budget,
+                             max_context=spec.max_prompt_tokens or model.config.max_position_embeddings, cp=spec.cp,
+                             ep=spec.ep, fraction=spec.kv_memory_fraction, cuda_graphs=spec.cuda_graphs,
+                             draft=spec.draft, deterministic=spec.deterministic, weights=spec.weights)
+    log.info("cpgraph serve: rank %d: KV pool auto: %s", rank, budget.line())
+    return budget.pages
 
 
 def _report_weights(model, lay, rank: int, group: int) -> None:

@@ -62,7 +62,9 @@ def test_cp2_ep2_node_answers_like_one_device_and_drains(which, request):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "cpgraph", "serve", "--model", model, "--cp", "2", "--ep", "2",
            "--backend", "aot_eager", "--device", "cpu", "--port", "0", "--warmup-tokens", "16",
-           "--token-budget", "32", "--dtype", "float32", *(["--weights", "fp8"] if load else [])]
+           "--token-budget", "32", "--dtype", "float32",
+           # the FP8 checkpoint: its e4m3 projections kept; the tiny model: a pool sized from the memory left
+           *(["--weights", "fp8"] if load else ["--num-pages", "auto", "--kv-memory-fraction", "0.005"])]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     lines, url = [], None
@@ -86,6 +88,10 @@ def test_cp2_ep2_node_answers_like_one_device_and_drains(which, request):
         assert len(shards) == 2, "".join(lines)
         (a0, a1, n), (b0, b1, _) = [tuple(map(int, s)) for s in shards]
         assert (a0, a1, b0, b1) == (0, n // 2, n // 2, n), shards
+        if not load:  # --num-pages auto: each rank sized its pool, the group took the smallest
+            mine = [int(x) for x in re.findall(r"KV pool auto: (\d+) pages per rank", "".join(lines))]
+            agreed = re.findall(r"CP group 0: (\d+) KV pages per rank", "".join(lines))
+            assert len(mine) == 2 and agreed == [str(min(mine))] * 2, "".join(lines)  # every rank the same
         g = torch.Generator().manual_seed(11)
         reference = from_pretrained(model, dtype=torch.float32, **load)
         vocab = reference.config.vocab_size
