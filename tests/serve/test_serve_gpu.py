@@ -202,3 +202,34 @@ def test_draft_graphs_capture_and_replay_on_cuda():
         assert engine.snapshot()["steps"].get("eager", 0) == 0 and engine.cold_steps == 0
     finally:
         server.stop()
+
+
+def test_auto_pool_fills_the_fraction_on_cuda():
+    """``--num-pages auto --kv-memory-fraction 0.3`` on the GPU: the pool and the weights stay within 30% of
+    the device (one step's activations booked beside them) and the engine answers a request."""
+    import gc
+    from dataclasses import replace
+
+    from cpgraph.models import from_pretrained
+    from cpgraph.models.prefill import make_layout, prefill_logits
+    from cpgraph.runtime.prefill_engine import engine_request
+    from cpgraph.serve.node import ServeSpec, auto_pages, build_engine, make_forward
+
+    model = from_pretrained("tiny-glm5", device="cuda").eval()
+    model.kv_layout = make_layout(model, "bf16", 16)
+    spec = ServeSpec(model="tiny-glm5", page_size=16, num_pages=None, kv_memory_fraction=0.3, token_budget=256)
+    free0, total = torch.cuda.mem_get_info()
+    pages = auto_pages(model, spec)
+    engine = build_engine(model, make_forward(model, spec), replace(spec, num_pages=pages))
+    try:
+        held = engine.cache.pool.total_bytes()
+        assert held == pages * engine.cache.pool.bytes_per_page() > 0
+        assert free0 - held >= 0.7 * total - 64 * 2**20  # within the fraction (allocator rounding aside)
+        prompt = list(range(1, 41))
+        h = engine.submit(engine_request(prompt))
+        engine.run_until_idle()
+        assert h.result.token == int(prefill_logits(model, [prompt])[0].argmax())
+    finally:
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
