@@ -1,8 +1,9 @@
 """``cpgraph serve --cp 2 --ep 2``: each rank holds half of the routed experts and the node answers like one device.
 
-Two models: the bundled tiny GLM-5, and a DeepSeek-V3.2-shaped FP8 block-quantized checkpoint on disk
-(written as the releases are, ``tests/models/test_fp8_checkpoint.py``) served with ``--weights fp8``:
-each rank reads only its experts' e4m3 stacks and scales.
+The model is a DeepSeek-V3.2-shaped FP8 block-quantized checkpoint on disk (written as the releases
+are, ``tests/models/test_fp8_checkpoint.py``) served with ``--weights fp8``: each rank reads only its
+experts' e4m3 stacks and scales.  The pool is ``--num-pages auto``: each rank sizes it from the memory
+left, and the group takes the smallest.  (One command for all of it: each run compiles on two ranks.)
 
 The real command on this machine (``--cp`` without torchrun spawns the two
 gloo ranks), aot_eager: each rank loads only its expert shard (the bundled
@@ -48,23 +49,19 @@ def fp8_checkpoint(tmp_path_factory):
     return str(root)
 
 
-@pytest.mark.parametrize("which", ["tiny-glm5", "fp8-checkpoint"])
-def test_cp2_ep2_node_answers_like_one_device_and_drains(which, request):
+def test_cp2_ep2_node_answers_like_one_device_and_drains(fp8_checkpoint):
     from cpgraph.models import from_pretrained
     from cpgraph.models.prefill import prefill_logits
 
-    model, load = which, {}
-    if which == "fp8-checkpoint":
-        model, load = request.getfixturevalue("fp8_checkpoint"), {"weights": "fp8"}
+    model, load = fp8_checkpoint, {"weights": "fp8"}
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "cpgraph", "serve", "--model", model, "--cp", "2", "--ep", "2",
            "--backend", "aot_eager", "--device", "cpu", "--port", "0", "--warmup-tokens", "16",
-           "--token-budget", "32", "--dtype", "float32",
-           # the FP8 checkpoint: its e4m3 projections kept; the tiny model: a pool sized from the memory left
-           *(["--weights", "fp8"] if load else ["--num-pages", "auto", "--kv-memory-fraction", "0.005"])]
+           "--token-budget", "32", "--dtype", "float32", "--weights", "fp8",
+           "--num-pages", "auto", "--kv-memory-fraction", "0.005"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     lines, url = [], None
@@ -88,10 +85,10 @@ def test_cp2_ep2_node_answers_like_one_device_and_drains(which, request):
         assert len(shards) == 2, "".join(lines)
         (a0, a1, n), (b0, b1, _) = [tuple(map(int, s)) for s in shards]
         assert (a0, a1, b0, b1) == (0, n // 2, n // 2, n), shards
-        if not load:  # --num-pages auto: each rank sized its pool, the group took the smallest
-            mine = [int(x) for x in re.findall(r"KV pool auto: (\d+) pages per rank", "".join(lines))]
-            agreed = re.findall(r"CP group 0: (\d+) KV pages per rank", "".join(lines))
-            assert len(mine) == 2 and agreed == [str(min(mine))] * 2, "".join(lines)  # every rank the same
+        # --num-pages auto: each rank sized its pool, the group took the smallest
+        mine = [int(x) for x in re.findall(r"KV pool auto: (\d+) pages per rank", "".join(lines))]
+        agreed = re.findall(r"CP group 0: (\d+) KV pages per rank", "".join(lines))
+        assert len(mine) == 2 and agreed == [str(min(mine))] * 2, "".join(lines)  # every rank the same
         g = torch.Generator().manual_seed(11)
         reference = from_pretrained(model, dtype=torch.float32, **load)
         vocab = reference.config.vocab_size
