@@ -261,16 +261,10 @@ def build_random_model(cfg, device, seed: int = 0):
     on ``device`` (cpgraph.models.init_random would draw fp32 on the host: 45 GB per V3.2 MoE layer).
     """
     from cpgraph.models import build_model
-    from cpgraph.models.layers import RotaryTable
+    from cpgraph.models.build import _materialize
 
-    model = build_model(cfg, torch.bfloat16, "meta")
-    persistent = set(model.state_dict())
-    derived = sorted(n for n, _ in model.named_buffers() if n not in persistent)
-    if derived != ["model.rotary.inv_freq"]:
-        raise RuntimeError(f"production_shape: cannot rebuild non-persistent buffers {derived} after to_empty")
-    model.to_empty(device=device)
-    with torch.device(device):
-        model.model.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim)  # inv_freq is computed, not drawn
+    # The loader's own step: storage on the device, the RoPE table (computed, not drawn) rebuilt there.
+    model = _materialize(build_model(cfg, torch.bfloat16, "meta"), cfg, device)
     init_weights_(model, seed)
     return model.eval()
 
