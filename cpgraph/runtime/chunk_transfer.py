@@ -18,6 +18,12 @@ from .live_request import _Live
 from .requests import _Stats
 
 
+def _draft(live: _Live, last: bool) -> dict:
+    """The MTP draft's guess for the last chunk's aux record, passed only when there is one (a sink without a
+    draft need not take the keyword)."""
+    return {"draft_token": live.draft_token} if last and live.draft_token is not None else {}
+
+
 def send_chunk(transfer, stats: _Stats, page_size: int, live: _Live, table: np.ndarray, e: int, last: bool,
                choice) -> None:
     # Every page not sent yet up to this chunk's end: the first chunk also sends the cached prefix, the one
@@ -26,7 +32,8 @@ def send_chunk(transfer, stats: _Stats, page_size: int, live: _Live, table: np.n
     live.sent_pages = end_page
     t0 = time.perf_counter()
     ok = live.transfer_ok and transfer.send_chunk(
-        live.room, table, first_page, end_page, last, None if choice is None else choice.token, len(live.tokens))
+        live.room, table, first_page, end_page, last, None if choice is None else choice.token, len(live.tokens),
+        **_draft(live, last))
     live.transfer_s += time.perf_counter() - t0
     if live.transfer_ok and not ok:
         stats.transfer_failures += 1
@@ -45,7 +52,8 @@ def begin_chunk(transfer, page_size: int, live: _Live, table: np.ndarray, e: int
 
 def end_chunk(transfer, stats: _Stats, live: _Live, chunk, last: bool, choice) -> None:
     t0 = time.perf_counter()
-    ok = transfer.end_chunk(chunk, last, None if choice is None else choice.token, len(live.tokens))
+    ok = transfer.end_chunk(chunk, last, None if choice is None else choice.token, len(live.tokens),
+                            **_draft(live, last))
     live.transfer_s += time.perf_counter() - t0
     if live.transfer_ok and not ok:
         stats.transfer_failures += 1

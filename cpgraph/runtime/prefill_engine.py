@@ -53,15 +53,17 @@ Requests, results and handles are in :mod:`cpgraph.runtime.requests`.
 
 **Transfer** (``transfer``): an object with ``registered(room) -> bool``,
 ``send_chunk(room, table, page_start, page_end, last, first_token,
-prompt_len) -> bool``, ``bytes_sent(room) -> int``, ``finish(room)`` and
+prompt_len[, draft_token]) -> bool``, ``bytes_sent(room) -> int``, ``finish(room)`` and
 ``abort(room)`` (``cpgraph.serve.transfer.RoomSender`` adapts a Mooncake
 :class:`~cpgraph.transfer.prefill.PrefillPeer`).  Chunk k of a request goes
 out right after the step that computed it: pages ``[start // page, ceil(end /
 page))``, the first chunk also covering the cached prefix pages.  A sink whose
 ``overlap`` is true also has ``begin_chunk(room, table, page_start, page_end,
-last)`` and ``end_chunk(chunk, last, first_token, prompt_len) -> bool``: the
-engine opens each chunk before the step's forward (its layers go out while
-later layers compute) and closes it after.
+last)`` and ``end_chunk(chunk, last, first_token, prompt_len[, draft_token])
+-> bool``: the engine opens each chunk before the step's forward (its layers
+go out while later layers compute) and closes it after.  ``draft_token`` (the
+MTP draft's guess after the first token) is passed with a request's last
+chunk only when the engine runs a draft.
 
 **Where the parts are.**  The request record is :mod:`~cpgraph.runtime.live_request`;
 the op log and the followers (``follow``, ``stop_followers``, ``heartbeat``)

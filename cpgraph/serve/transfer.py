@@ -55,20 +55,22 @@ class RoomSender:
         return room in self.peer.targets and not self.peer.statuses.failed(room)
 
     def send_chunk(self, room: int, table, page_start: int, page_end: int, last: bool, first_token: int | None,
-                   prompt_len: int) -> bool:
+                   prompt_len: int, draft_token: int | None = None) -> bool:
         """Send pages ``[page_start, page_end)`` of ``table`` now (after the forward); False when the room failed."""
         return self.end_chunk(self._begin(room, table, page_start, page_end, last, overlap=False), last, first_token,
-                              prompt_len)
+                              prompt_len, draft_token)
 
     def begin_chunk(self, room: int, table, page_start: int, page_end: int, last: bool):
         """Before the forward that computes the chunk: open it, so its layers go out as the forward writes them."""
         return self._begin(room, table, page_start, page_end, last, overlap=self.overlap)
 
-    def end_chunk(self, chunk, last: bool, first_token: int | None, prompt_len: int) -> bool:
-        """After that forward: wait for the chunk's layers (sending any no hook saw); False when the room failed."""
+    def end_chunk(self, chunk, last: bool, first_token: int | None, prompt_len: int,
+                  draft_token: int | None = None) -> bool:
+        """After that forward: wait for the chunk's layers (sending any no hook saw); False when the room failed.
+        ``draft_token``: the MTP draft's guess after the first token, into the last chunk's aux record."""
         if chunk is None:
             return False
-        status = self.peer.end_chunk(chunk, first_token=first_token, prompt_len=prompt_len)
+        status = self.peer.end_chunk(chunk, first_token=first_token, prompt_len=prompt_len, draft_token=draft_token)
         return status == RoomStatus.SUCCESS if last else status != RoomStatus.FAILED
 
     def _begin(self, room: int, table, page_start: int, page_end: int, last: bool, overlap: bool):

@@ -148,6 +148,12 @@ class DecodeSide:
     def first_token(self, room: int) -> int:
         return int(self.aux[room, 0])
 
+    def draft_token(self, room: int) -> int | None:
+        """The prefill's MTP draft guess after the first token (what a first speculative step verifies), or
+        ``None`` when the prefill ran no draft."""
+        tok = int(self.aux[room, 3])
+        return None if tok < 0 else tok
+
     def _free(self, room: int) -> None:
         info = self.rooms.pop(room, None)
         if info is not None:

@@ -206,7 +206,9 @@ class PrefillPeer:
         return ChunkSend(plan, ctx, time.perf_counter(), room)
 
     def end_chunk(self, chunk: ChunkSend, first_token: int | None = None, prompt_len: int = 0,
-                  aux_rank: int = 0) -> RoomStatus:
+                  aux_rank: int = 0, draft_token: int | None = None) -> RoomStatus:
+        """Finish the chunk; the last one's aux record carries the first token and, when the prefill ran the MTP
+        draft, the draft's guess after it (``-1`` without one: docs/transfer.md)."""
         plan = chunk.plan
         if plan is None:
             return self.statuses.get(chunk.room)
@@ -228,7 +230,8 @@ class PrefillPeer:
         if rc == 0 and plan.last and self.rank == aux_rank:
             if first_token is None:
                 raise ValueError("the last chunk needs first_token for the aux record")
-            self._aux.copy_(torch.tensor([first_token, prompt_len, self.rank, 0]))
+            self._aux.copy_(torch.tensor([first_token, prompt_len, self.rank,
+                                          -1 if draft_token is None else draft_token]))
             rc = self.sender.send_aux(plan, self._aux.data_ptr())
         return self.sender.status_after_chunk(plan, rc)
 

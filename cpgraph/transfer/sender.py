@@ -28,7 +28,7 @@ from .engine import MooncakeEngine
 from .layout import PoolLayout
 from .status import RoomStatus, StatusTable
 
-AUX_BYTES = 32  # int64 [first_token, prompt_len, rank, 0]
+AUX_BYTES = 32  # int64 [first_token, prompt_len, rank, draft_token (-1: the prefill ran no MTP draft)]
 
 
 @dataclass

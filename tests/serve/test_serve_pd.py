@@ -92,6 +92,8 @@ def test_decode_room_receives_the_prefill_pool_bytes(one_thread, overlap, draft)
             assert decode.wait(room, 30) == RoomStatus.SUCCESS
             assert decode.first_token(room) == choice["token_ids"][0]
             assert ("draft_token_ids" in choice) == draft
+            # The aux record carries the draft's guess too (-1, read as None, without a draft).
+            assert decode.draft_token(room) == (choice["draft_token_ids"][0] if draft else None)
             # Every page of the prompt arrived bit for bit: the pages the request computed or hit, as they stood
             # when its step ended (read at its radix commit).  Without a draft all of them sit in the radix cache.
             engine.sync()  # the answer can precede its step's commit to the radix cache
