@@ -515,14 +515,14 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
             t0 = time.perf_counter()
             replays0, prepared0 = self._graph_counts()
             compiles0 = _compiles()
-            # No load-back to wait for: no block (a generator context manager, several Python calls on every step);
-            # hooks installed by others (a transfer's on_written) stay in place either way.
             # With a draft, the first tokens are chosen between the target's forward and the draft's (on every
             # rank: the draft reads them at each finished prompt's last row).
             picked: dict = {}
             dkw = {} if self.draft is None else dict(
                 draft=self.draft, draft_pools=self._draft_pools, prompts=[live.tokens for live in lives],
                 sampled=lambda target: choose_first_tokens(target.logits, lives, chunks, picked))
+            # No load-back to wait for: no block (a generator context manager, several Python calls on every step);
+            # hooks installed by others (a transfer's on_written) stay in place either way.
             with layer_hooks(on_ready=wait_for_layer) if loads else nullcontext():
                 ran = forward_batch(self.cache.forward, plan, [live.tokens[s:e] for live, (_, s, e) in
                                                                zip(lives, chunks)],
