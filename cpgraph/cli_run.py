@@ -74,7 +74,8 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--draft", action="store_true",
                    help="also run the MTP draft layer (model.layers.{num_hidden_layers}; bundled models: a random one) "
                         "on the target's hidden states and print its top tokens beside the target's: the draft "
-                        "predicts the token after the target's top-1 token (docs/mtp.md)")
+                        "predicts the token after the target's top-1 token (docs/mtp.md); with --cache (one device) "
+                        "both passes run it and the warm draft is checked against the cold one")
     r.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     r.set_defaults(func=_cmd_run)
     return r
@@ -140,8 +141,12 @@ def _check_run_flags(args: argparse.Namespace) -> None:
             raise InputError("--batch-size is not supported with --cache (each pass is one batch)")
     if args.prompt and args.prompts_file:
         raise InputError("give prompts with --prompt or with --prompts-file, not both")
-    if args.draft and args.cache:
-        raise InputError("--draft is not supported with --cache (run it without --cache)")
+    if args.draft and args.cache and args.cp is not None:
+        raise InputError("--draft with --cache runs on one device; with --cp it is not supported yet (drop --cp "
+                         "or --cache)")
+    if args.draft and args.cuda_graphs:
+        raise InputError("--draft is not run with --cuda-graphs here (cpgraph serve --cuda-graphs --draft replays "
+                         "the draft's own graphs)")
     if args.cuda_graphs:
         if not args.cache or args.device != "cuda":
             raise InputError("--cuda-graphs applies to --cache runs with --device cuda, one device or --cp N "

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from cpgraph.cli_run_output import (cuda_graph_replays, print_cache, print_providers, print_top, text_payload,
-                                    write_json)
+from cpgraph.cli_run_output import (cuda_graph_replays, print_cache, print_cache_compare, print_providers,
+                                    print_top, text_payload, top_ids, write_json)
 
 
 def cache_kwargs(args) -> dict:
@@ -36,8 +36,12 @@ def run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
 
         forward = graphed_forward(forward, max_requests=len(prompts.ids))
     pages = default_capacity(prompts.ids, DEFAULT_PAGE_SIZE)
+    # --draft: the MTP draft after the target in both passes; its records are cached and backed off where the
+    # token after a cached page differs (docs/mtp.md, prefix caching), so the warm draft must equal the cold one.
+    draft = model.draft_module() if args.draft else None
     engine = CacheEngine(forward, model, num_pages=pages, kv_format=args.kv_format, page_size=DEFAULT_PAGE_SIZE,
-                         host_pages=pages if args.evict or args.l3 else 0, l3=args.l3, **cache_kwargs(args))
+                         host_pages=pages if args.evict or args.l3 else 0, l3=args.l3, draft=draft,
+                         **cache_kwargs(args))
     out = run_twice(engine, prompts.ids, evict=args.evict, progress=progress)
     l3 = None
     if engine.l3 is not None:
@@ -46,8 +50,16 @@ def run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
               "store_stats": dict(engine.l3.store.stats)}
         engine.close()
     first, second = out["first"].float().cpu(), out["second"].float().cpu()
-    top = print_top(args, prompts, None, first)
+    drafts, draft_extra = None, {}
+    if draft is not None:  # each draft read the target's greedy token (the CacheEngine's default)
+        drafts = (first.argmax(-1).tolist(), out["first_draft"].float().cpu())
+        draft_extra = {"draft_logits": drafts[1].tolist(), "draft_top_ids": top_ids(args, drafts[1]),
+                       "draft_after": drafts[0],
+                       "second_pass_draft_logits": out["second_draft"].float().cpu().tolist()}
+    top = print_top(args, prompts, None, first, drafts)
     ok = print_cache(out["hits"], out["evicted_pages"], out["load_misses"], second, first)
+    if draft is not None:
+        ok &= print_cache_compare("draft (MTP)", out["second_draft"].float().cpu(), drafts[1])
     if l3 is not None:
         print(f"L3 {l3['store']} ({l3['policy']}): fetched {l3['fetched_pages']} page(s), stored {l3['stored_pages']}")
     weight_bytes = weight_bytes_per_rank(model)
@@ -62,6 +74,6 @@ def run_cache(args: argparse.Namespace, model, prompts, progress) -> int:
                    "weight_bytes": weight_bytes,
                    "kv_pool_bytes": engine.pool.total_bytes(), "weights": args.weights or "dequantize",
                    "device": args.device, "providers": providers, "provider_calls": op_calls,
-                   "cuda_graph_replays": replays, **text_payload(prompts, top)}
+                   "cuda_graph_replays": replays, **text_payload(prompts, top), **draft_extra}
         write_json(args.json, payload, progress)
     return 0 if ok else 1

@@ -111,17 +111,22 @@ def write_json(path: str, payload: dict, progress) -> None:
 
 def print_cache(hits, evicted, load_misses, second, first) -> bool:
     """Print hits per level of both passes and the warm-vs-cold logits comparison; True if they match."""
-    import torch
-
     for n, h in enumerate(hits, start=1):
         l3 = f", L3 (store) hit {h['l3']} token(s)" if "l3" in h else ""
         print(f"pass {n}: L1 (device) hit {h['device']} token(s), L2 (host) hit {h['host']} token(s){l3}, "
               f"computed {h['computed']} token(s)")
     if evicted:
         print(f"between passes: evicted {evicted} page(s) from L1 to L2; load-backs degraded to a miss: {load_misses}")
+    return print_cache_compare(None, second, first)
+
+
+def print_cache_compare(what: str | None, second, first) -> bool:
+    """One line: the warm pass's logits (``what``: whose; default the target's) against the cold pass's."""
+    import torch
+
     diff = (second - first).abs().max().item()
     same = torch.equal(second, first)
     ok = diff <= 1e-4 * max(first.abs().max().item(), 1e-30)
-    print(f"second pass vs first pass: max |diff| {diff:.3e}{' - bit-identical' if same else ''}"
-          f"{'' if ok else ' - MISMATCH'}")
+    print(f"{what + ' ' if what else ''}second pass vs first pass: max |diff| {diff:.3e}"
+          f"{' - bit-identical' if same else ''}{'' if ok else ' - MISMATCH'}")
     return ok

@@ -37,6 +37,8 @@ def run_twice(engine: CacheEngine, token_lists, *, evict: bool = False,
     return {
         "first": first.logits,
         "second": second.logits,
+        "first_draft": first.draft_logits,  # the MTP draft's, when the engine runs one (else None)
+        "second_draft": second.draft_logits,
         "hits": [first.totals(), second.totals()],
         "hits_per_request": [first.hits, second.hits],
         "evicted_pages": evicted,
