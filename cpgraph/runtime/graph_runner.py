@@ -56,9 +56,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Callable, Sequence
 
 import torch
@@ -66,142 +65,15 @@ from torch import Tensor
 
 from cpgraph.models.batch import MIN_PREFIX_ROWS
 from cpgraph.ops.providers import bind_providers
-from cpgraph.plan import CPPlan, GatherLayout, plan_prefill
+from cpgraph.plan import CPPlan, GatherLayout
+
+# The bucket arithmetic and the capture bookkeeping live in their own modules; every name is
+# re-exported here, where callers (draft_graphs, the engines, serve, tests) import it from.
+from .graph_buckets import (DEFAULT_MAX_KV_ROWS, DEFAULT_MAX_ROWS, DEFAULT_ROW_BUCKETS,  # noqa: F401  (re-exported)
+                            Bucket, bucket_ladder, kv_rows_bound, pick_bucket, plan_in_buckets, reachable_buckets)
+from .graph_capture import CaptureStats, WarmSummary, capture_graph  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_ROWS = 8192
-DEFAULT_MAX_KV_ROWS = 1 << 20
-
-
-def bucket_ladder(lo: int, hi: int, steps: int = 2) -> tuple[int, ...]:
-    """Geometric bucket values from ``lo`` up to the first one >= ``hi``.
-
-    Each octave ``[2**e, 2**(e+1))`` holds ``steps`` values ``2**e * (1 + j/steps)``
-    (rounded up to ints), so a batch is padded by at most a factor ``1 + 1/steps``.
-    """
-    if lo < 1 or hi < lo or steps < 1:
-        raise ValueError(f"bucket_ladder: need 1 <= lo <= hi and steps >= 1, got lo={lo}, hi={hi}, steps={steps}")
-    out: list[int] = []
-    e = 0
-    while True:
-        base = 1 << e
-        for j in range(steps):
-            v = math.ceil(base * (steps + j) / steps)
-            if v >= lo and (not out or v > out[-1]):
-                out.append(v)
-                if v >= hi:
-                    return tuple(out)
-        e += 1
-
-
-DEFAULT_ROW_BUCKETS = bucket_ladder(16, DEFAULT_MAX_ROWS, 2)  # 16, 24, 32, 48, ..., 8192
-
-
-def bind_pool_addresses(tensors) -> None:
-    """Mark KV pool tensors as static for a compiled forward that CUDA graphs capture: a graph binds their
-    addresses, so the compiled code must not treat them as inputs it may copy."""
-    for t in tensors:
-        torch._dynamo.mark_static_address(t)
-
-
-def pick_bucket(ladder: Sequence[int], n: int, what: str) -> int:
-    """Smallest ladder value >= ``n``; ``ValueError`` past the largest bucket."""
-    for v in ladder:
-        if v >= n:
-            return v
-    raise ValueError(f"graph_runner: {what} {n} exceeds the largest bucket {ladder[-1]}; split the batch or raise the limit")
-
-
-def kv_rows_bound(m: int, p: int, max_requests: int, page_size: int, cp_size: int = 1) -> int:
-    """The most KV-view rows ``N`` a step with ``m`` compute rows and ``p`` cached-prefix rows per rank can have.
-
-    ``N = sum(prefix_i) + sum(ceil(e_i / page) * page)`` (the whole view, the same on every rank).  Each
-    rank holds at most ``p`` prefix rows and ``m`` compute rows, so ``sum(prefix_i) <= cp * p`` and
-    ``sum(e_i) <= cp * m``; each of at most ``min(max_requests, cp * m)`` requests adds under a page of
-    slack.  At ``cp_size == 1``: ``p + m + B * (page - 1)``.
-    """
-    return cp_size * (p + m) + min(max_requests, cp_size * m) * (page_size - 1)
-
-
-def plan_in_buckets(row_buckets: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int], *,
-                    cp_size: int, page_size: int) -> CPPlan:
-    """``plan_prefill`` whose per-rank rows ``M`` are a value of ``row_buckets`` (static padding, ``row_kind == 2``).
-
-    Under CP the gathered coordinates (``rank * M + row``) move with ``M``, so a batch that replays a
-    bucket's graph is planned with the bucket's ``M`` from the start.  The plain plan is kept when its
-    ``M`` already is a bucket (no second planning).
-    """
-    plan = plan_prefill(prefix_lens, extend_lens, cp_size=cp_size, page_size=page_size)
-    if plan.num_rows in row_buckets:
-        return plan
-    rows = pick_bucket(row_buckets, plan.num_rows, "compute rows")
-    return plan_prefill(prefix_lens, extend_lens, cp_size=cp_size, page_size=page_size, row_align=rows)
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Static shapes of one graph: compute rows, KV-view rows, requests, CP size."""
-
-    rows: int
-    kv_rows: int
-    prefix_rows: int
-    requests: int
-    cp_size: int = 1
-
-
-@dataclass
-class CaptureStats:
-    bucket: Bucket
-    warmup_s: float  # the calls on the bucket's shapes before its capture (a compiled forward compiles in the first)
-    capture_s: float  # the capture itself (0 when not captured)
-    pool_bytes: int  # growth of reserved CUDA memory across the capture: the shared pool's new segments
-    replays: int = 0
-    calls: int = 1  # forward calls in warmup_s
-
-
-@dataclass(frozen=True)
-class WarmSummary:
-    """Where one :meth:`GraphRunner.warm` call spent its time (``total_s`` is its wall time)."""
-
-    count: int  # buckets prepared
-    total_s: float
-    warmup_s: float  # forward calls before the captures (compile, autotune, lazy initialisation)
-    capture_s: float  # the captures themselves
-    collect_s: float  # the one garbage collection before the first capture (0 when nothing was captured)
-
-    def line(self) -> str:
-        return (f"{self.count} bucket(s) in {self.total_s:.1f} s: forward warm-up {self.warmup_s:.1f} s, "
-                f"capture {self.capture_s:.1f} s, gc {self.collect_s:.1f} s")
-
-
-def capture_graph(fn: Callable[[], object], bucket: Bucket, device, pool, calls: int,
-                  t0: float) -> tuple[torch.cuda.CUDAGraph, object, CaptureStats]:
-    """Warm ``fn`` up with ``calls`` calls on a side stream, then capture it into ``pool``.
-
-    Returns the graph, the captured outputs (static buffers) and the stats; ``t0`` is when the bucket's
-    preparation began (its warm-up time counts from there).  Shared by the runner and its companion
-    graphs (the MTP draft's), which join the same pool.
-    """
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
-        for _ in range(calls):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    # torch.cuda.graph empties the allocator's cache on entry; do it first (cheap, unlike a collection)
-    # so that the growth of reserved memory measured across the capture is the graph pool's new segments.
-    torch.cuda.empty_cache()
-    t1 = time.perf_counter()
-    before = torch.cuda.memory_reserved(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    torch.cuda.synchronize(device)
-    t2 = time.perf_counter()
-    return graph, out, CaptureStats(bucket, t1 - t0, t2 - t1, torch.cuda.memory_reserved(device) - before,
-                                    calls=calls)
 
 
 class _Static:
@@ -448,49 +320,11 @@ class GraphRunner:
         """Every bucket a step of at most ``token_budget`` tokens and ``max_prefix_tokens`` cached-prefix rows
         (at most ``max_requests`` requests) can pick (a superset: some may never occur).
 
-        One device: a step of extends ``e_i`` over page-aligned prefixes ``p_i`` has ``M = sum(e_i)`` rows,
-        ``P = sum(p_i)`` and ``N = P + sum(ceil(e_i / page) * page)`` KV-view rows, so
-        ``P + M <= N <= P + M + B * (page - 1)``: several ``N`` buckets per ``(M, P)`` pair, unless the runner
-        derives ``N`` from them (``page_size``), which leaves one bucket per pair.  Under CP ``M`` and ``P`` are
-        one rank's rows, and one rank may hold all of a step's rows (small requests, each inside one chunk)
-        and own all of its prefix pages, so the same ``(M, P)`` ladder applies; ``N`` (the whole view)
-        reaches ``cp * (P + M)`` plus the page slack (:func:`kv_rows_bound`).
+        The arithmetic (how ``M``, ``P`` and ``N`` bound each other, on one device and under CP):
+        :func:`cpgraph.runtime.graph_buckets.reachable_buckets`.
         """
-        budget = int(token_budget)
-        rows = [m for m in self.row_buckets if m < pick_bucket(self.row_buckets, budget, "compute rows")]
-        rows.append(pick_bucket(self.row_buckets, budget, "compute rows"))
-        # (bucket, smallest, largest P it holds); a step without cached prefix rows carries MIN_PREFIX_ROWS
-        # pad rows (build_batch), its own bucket (see pick)
-        prefixes = [(MIN_PREFIX_ROWS, MIN_PREFIX_ROWS, MIN_PREFIX_ROWS)]
-        if max_prefix_tokens >= page_size:
-            top = pick_bucket(self.kv_buckets, max_prefix_tokens, "cached-prefix rows")
-            lo = max(page_size, MIN_PREFIX_ROWS + 1)
-            for v in self.kv_buckets:
-                if v >= lo:
-                    hi = min(v, max_prefix_tokens) // page_size * page_size
-                    if hi >= lo:
-                        prefixes.append((v, lo, hi))
-                    lo = v + 1
-                if v >= top:
-                    break
-        if self.page_size is not None and self.page_size != page_size:
-            raise ValueError(f"graph_runner: page_size {page_size} differs from the runner's {self.page_size}")
-        out, m_lo = [], 1
-        for m in rows:
-            m_hi = min(m, budget)
-            for p, p_lo, p_hi in prefixes:
-                if self.page_size is not None:
-                    out.append(Bucket(m, pick_bucket(self.kv_buckets, self._kv_rows(m, p), "KV-view rows"), p,
-                                      self.max_requests, self.cp_size))
-                    continue
-                n_lo, n_hi = p_lo + m_lo, kv_rows_bound(m_hi, p_hi, self.max_requests, page_size, self.cp_size)
-                for n in self.kv_buckets:
-                    if n >= n_lo:
-                        out.append(Bucket(m, n, p, self.max_requests, self.cp_size))
-                    if n >= n_hi:
-                        break
-            m_lo = m + 1
-        return out
+        return reachable_buckets(self.row_buckets, self.kv_buckets, self.max_requests, self.cp_size, self.page_size,
+                                 token_budget, page_size, max_prefix_tokens)
 
     def capture_report(self) -> list[dict]:
         """One dict per bucket: shapes, warm-up / capture seconds, warm-up calls, pool growth, replays."""
@@ -499,6 +333,13 @@ class GraphRunner:
                  "warmup_s": s.warmup_s, "capture_s": s.capture_s, "pool_mib": s.pool_bytes / 2**20,
                  "warmup_calls": s.calls, "replays": s.replays, "captured": s.bucket in self._graphs}
                 for s in self.stats.values()]  # fmt: skip
+
+
+def bind_pool_addresses(tensors) -> None:
+    """Mark KV pool tensors as static for a compiled forward that CUDA graphs capture: a graph binds their
+    addresses, so the compiled code must not treat them as inputs it may copy."""
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)
 
 
 def graphed_forward(model_forward: Callable, *, max_requests: int, cp_size: int = 1, **runner_kw) -> Callable:
