@@ -18,14 +18,19 @@
 # wheel, the selection's tuning) also goes to gpu_state/ (git-ignored), which stays on a machine that is
 # still warm for the next call; on a fresh machine copy them from $OUT into .whl/ instead.
 set -uo pipefail
-stage=${1:?"usage: benchmarks/gpu_round.sh prepare|selection|forward|serve|cp2"}
-case $stage in
-prepare | selection | forward | serve | cp2) ;;
-*)
-    echo "unknown stage $stage (prepare|selection|forward|serve|cp2)" >&2
-    exit 2
-    ;;
-esac
+#
+# Several stages run in one call in the order given (`gpu_round.sh selection forward`); STEPS="a b" runs only
+# the steps of those names (the names the logs carry), so one call can take the part of a stage that fits.
+[ $# -gt 0 ] || { echo "usage: benchmarks/gpu_round.sh prepare|selection|forward|serve|cp2 ..." >&2; exit 2; }
+for stage in "$@"; do
+    case $stage in
+    prepare | selection | forward | serve | cp2) ;;
+    *)
+        echo "unknown stage $stage (prepare|selection|forward|serve|cp2)" >&2
+        exit 2
+        ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 WHL=.whl
@@ -36,9 +41,13 @@ DEEP_GEMM_SDIST=https://files.pythonhosted.org/packages/c3/81/8211cfa3e92b0f5be3
 SITE=/tmp/cpgraph_site
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-step() {  # step NAME CMD...: run, log to $OUT/NAME.log, report the status, go on
+step() {  # step NAME CMD...: run, log to $OUT/NAME.log, report the status, go on (skipped if STEPS leaves it out)
     local name=$1
     shift
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+        echo "== $name: skipped (STEPS)"
+        return 0
+    fi
     echo "== $name: $*"
     local t0=$SECONDS
     "$@" >"$OUT/$name.log" 2>&1
@@ -48,7 +57,9 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, report the status, go o
     return 0
 }
 
-install_wheels() {
+install_wheels() {  # once per call, whatever the number of stages
+    [ -n "${WHEELS_DONE:-}" ] && return 0
+    WHEELS_DONE=1
     mkdir -p "$SITE"
     local wheels=($WHL/*.whl $STATE/*.whl)
     wheels=($(ls "${wheels[@]}" 2>/dev/null))
@@ -71,7 +82,8 @@ build_deep_gemm() {  # in the background; the wheel lands in $OUT (and the site)
     DG_PID=$!
 }
 
-case $stage in
+run_stage() {
+case $1 in
 prepare)
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
     mkdir -p $WHL
@@ -122,3 +134,8 @@ cp2)
         --cache --cuda-graphs --json "$OUT/cp2_run_graphs.json"
     ;;
 esac
+}
+
+for stage in "$@"; do
+    run_stage "$stage"
+done
