@@ -685,8 +685,10 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
     flops = sum(parts.values())
     row["forward_tflop"] = flops / 1e12
     row["flops_parts_tflop"] = {k: v / 1e12 for k, v in parts.items()}
+    # The plan's default experts are an SM90 GPU's with DeepGEMM; a CPU run computes the grouped path ("triton").
     plan = plan_memory(cfg, tokens=tokens, dtype=variant.weights, kv_format=variant.kv, page_size=page,
-                       max_logits_bytes=model.kv_layout.max_logits_bytes)
+                       max_logits_bytes=model.kv_layout.max_logits_bytes,
+                       experts_provider=None if vt.DEVICE == "cuda" else "triton")
     row["memory_plan"] = _plan_row(plan)
     experts_before = calls(vt.DEVICE)  # which moe_experts implementation computes this case: the counts' growth
     vt.reset_peak()  # return the previous case's cached blocks before asking what is free

@@ -21,17 +21,21 @@ def default_experts_provider(cfg, dtype: str = "bf16", deterministic: bool = Fal
     As ``kernels/moe.py`` chooses per call: FP8 experts take DeepGEMM where its
     operand rules hold (``H`` and ``I`` multiples of 128; the plan's weight
     blocks are 128 x 128), else the Triton grouped FP8 GEMM; bf16 experts take
-    ``torch._grouped_mm`` (``CPGRAPH_BF16_EXPERTS=auto``) where the rows are
-    16-byte aligned, else the dense reference, as fp16 and fp32 experts do
+    DeepGEMM's bf16 grouped GEMM (``CPGRAPH_BF16_EXPERTS=auto``) under the
+    same operand rule, else ``torch._grouped_mm`` where the rows are 16-byte
+    aligned, else the dense reference, as fp16 and fp32 experts do
     (``torch._grouped_mm`` takes bf16 on CUDA).  In the deterministic mode
     the experts are ``cpgraph::invariant_moe_experts``' Triton provider.
-    A machine without DeepGEMM runs FP8 experts as ``triton``: pass it.
+    A machine without DeepGEMM runs the experts as ``triton``: pass it.
     """
     H, two_i = cfg.hidden_size, 2 * cfg.moe_intermediate_size
     if deterministic:
         return "triton"
+    deep_gemm_fits = H % 128 == 0 and two_i % 256 == 0
     if dtype == "fp8":
-        return "deep_gemm" if H % 128 == 0 and two_i % 256 == 0 else "triton"
+        return "deep_gemm" if deep_gemm_fits else "triton"
+    if dtype in ("bf16", "bfloat16") and deep_gemm_fits:
+        return "deep_gemm"
     if dtype in ("bf16", "bfloat16") and H % 8 == 0 and two_i % 16 == 0:
         return "triton"
     return "reference"
