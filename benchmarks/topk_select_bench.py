@@ -42,12 +42,12 @@ TOPK = 2048
 # this one.  ``float_pass``: the window pass compares fp32 scores in 32 x warps-key steps (kernels/topk_select.py,
 # ``_float_pass``).  ``list_step``: the refinement's histogram passes and the collection walk the list in 32 x
 # warps-entry steps, one entry a thread (``_list_hist``, ``_collect_list``).
-SWEEP = [(128, 1, 512, 0, 0, True, True, False, False), (512, 4, 512, 0, 0, False, False, False, False),
+SWEEP = [(128, 1, 512, 0, 0, True, False, True, True), (512, 4, 512, 0, 0, False, False, False, False),
          (128, 1, 512, 0, 0, True, False, True, False), (128, 1, 512, 0, 0, False, False, True, False),
          (256, 1, 512, 0, 0, True, False, True, False), (64, 1, 512, 0, 0, True, False, True, False),
          (128, 1, 256, 0, 0, True, False, True, False), (128, 2, 512, 0, 0, True, False, True, False),
          (128, 1, 512, 48, 0, True, False, True, False), (512, 4, 512, 0, 0, True, False, True, False),
-         (128, 1, 512, 0, 0, True, True, False, True), (128, 1, 512, 0, 0, True, False, True, True),
+         (128, 1, 512, 0, 0, True, True, False, True), (128, 1, 512, 0, 0, True, True, False, False),
          (128, 1, 512, 0, 0, False, True, False, True), (128, 2, 512, 0, 0, True, False, True, True)]
 # The tuning parameter of each field of a variant (--write-tuning writes the fastest exact variant under these).
 TUNING_NAMES = ("SELECT_BLOCK", "SELECT_WARPS", "SELECT_SAMPLE", "SELECT_MAXNREG", "SELECT_STAGES", "SELECT_COMPACT",

@@ -39,11 +39,12 @@ _TUNE = {
     "FP8_SCORE_MAXNREG": 0,
     # Selection (cpgraph/kernels/topk_select.py): window elements per step, warps per row program,
     # sampled keys that bracket the k-th key, register cap.
-    # Swept on an H200 at 32K causal rows, k = 2048 (benchmarks/topk_select_bench.py --sweep, 2026-12-04):
-    # one warp a row program with 128-key steps, the refinement's compaction and the window pass's
-    # prefetch took one launch from 3.67 to 2.80 ms (indexer-like scores; 3.56 -> 2.76 Gaussian, 2.72 ->
-    # 2.11 all-tied), exact on all three.  One warp: its scans and sums need no cross-warp barrier, and
-    # about 30 row programs fit an SM, which hides the passes' dependent latency.
+    # Swept on an H200 at 32K causal rows, k = 2048 (benchmarks/topk_select_bench.py --sweep --stages, 2026-12-05,
+    # 14 forms, all exact): one warp a row program with 128-key steps, the fp32-compare window pass and the
+    # one-entry-a-thread list walks take one launch over a layer's rows to 2.21 ms on indexer-like scores
+    # (the previous default 2.96 in the same run; 2.15 Gaussian, 2.01 all tied); in the two-layer forward 6.4-6.7 ms.
+    # One warp: its scans and sums need no cross-warp barrier, and about 30 row programs fit an SM,
+    # which hides the passes' dependent latency.
     "SELECT_BLOCK": 128,
     "SELECT_WARPS": 1,
     "SELECT_SAMPLE": 512,
@@ -52,20 +53,22 @@ _TUNE = {
     "SELECT_STAGES": 0,
     # The refinement's later passes read a copy of the first digit's candidates, not the whole list.
     "SELECT_COMPACT": True,
-    # The window pass loads block i + 1 before it scans block i (register double buffering).
-    "SELECT_PREFETCH": True,
+    # The rank-bit window pass loads block i + 1 before it scans block i (register double buffering).  The
+    # float pass below replaces that pass, so this only matters with SELECT_FLOAT_PASS off (2.70 ms a launch
+    # with the list steps, against the float pass's 2.21).
+    "SELECT_PREFETCH": False,
     # The window pass compares fp32 scores with the bracket's bounds in one-key-a-thread steps and
     # converts only the list to rank bits: 171 instructions per 128 keys in its loop against 276
-    # (sm_90 SASS compiled here, benchmarks/sass_loops.py).  Opt-in until an H200 has timed it.
-    "SELECT_FLOAT_PASS": False,
+    # (sm_90 SASS, benchmarks/sass_loops.py); on the H200 the window pass 1.71 -> 1.21 ms a layer
+    # and, with the list steps below, the refinement 0.53 -> 0.32 ms (indexer-like scores, --stages).
+    "SELECT_FLOAT_PASS": True,
     # The list walks -- the refinement's histogram passes and the collection -- in one-entry-a-thread steps
     # (32 x warps entries, four a round, the round's counts packed a byte a step: SELECT_WARPS < 8) instead of
     # SELECT_BLOCK steps, so no values move between layouts through shared memory.  sm_90 SASS per 128 entries
     # at one warp (benchmarks/sass_loops.py; counts, not times): the histogram loop 282 -> 198 instructions in
     # the pass that also copies (155 -> 139 in the others), the collection 187 -> 172; with SELECT_FLOAT_PASS
     # 283 -> 195 and 191 -> 171.  At 4 warps the collection is 210 -> 227 (two cross-warp scans a round).
-    # Opt-in until an H200 has timed it.
-    "SELECT_LIST_STEP": False,
+    "SELECT_LIST_STEP": True,
     # Launch the selection's rows last first (causal windows grow with the row: longest first).
     "SELECT_LAST_ROW_FIRST": True,
 }
