@@ -17,7 +17,9 @@ Per shape, ``M`` and implementation one row:
   activations (the profile of where the time goes: ``ms ~ quant + gemm``).
 
 Implementations: ``triton`` (cpgraph's Triton GEMM), ``scaled_mm`` (torch's
-blockwise-scaled FP8 GEMM where the build and shape allow it), ``bf16``.
+blockwise-scaled FP8 GEMM where the build and shape allow it), ``deep_gemm``
+(DeepGEMM's ``fp8_gemm_nt`` where it is installed: what ``auto`` runs there),
+``bf16``.
 ``--check`` compares each result with the torch reference on the first 256
 rows first.
 
@@ -149,6 +151,12 @@ def main() -> int:
                     q, sc = kernel.quantize_activations(x, 128, pow2, scales_column_major=True)
                     return kernel.scaled_mm_gemm(q, sc, w, ws, torch.bfloat16)
                 impls["scaled_mm"] = (scaled, lambda t=None: kernel.scaled_mm_gemm(xq_c, xs_c, w, ws, torch.bfloat16))
+            dg_reason = kernel._deep_gemm_reason(x) or kernel._operand_reason(x, w, 128, 128)
+            if dg_reason is None:  # what CPGRAPH_FP8_LINEAR=auto runs where DeepGEMM is installed
+                def deep(t=None):
+                    q, sc = kernel.quantize_activations(x, 128, pow2, scales_column_major=True)
+                    return kernel.deep_gemm_linear(q, sc, w, ws, torch.bfloat16)
+                impls["deep_gemm"] = (deep, lambda t=None: kernel.deep_gemm_linear(xq_c, xs_c, w, ws, torch.bfloat16))
             variants = [(k, fns, None) for k, fns in impls.items()]
             if args.sweep:
                 variants += [(f"triton {t[0]}x{t[1]} w{t[2]} s{t[3]}", impls["triton"], t) for t in SWEEP]
@@ -165,6 +173,8 @@ def main() -> int:
                 rows.append((label, time_ms(call), quant_ms, time_ms(lambda g=gemm_fn, t=tiles: g(t))))
             if "scaled_mm" not in impls:
                 print(f"{name:>15} {M:>6} {'scaled_mm skipped':>22}  ({reason})")
+            if "deep_gemm" not in impls:
+                print(f"{name:>15} {M:>6} {'deep_gemm skipped':>22}  ({dg_reason})")
             for label, ms, q, gms in rows:
                 tflops = flops / ms / 1e9
                 qtxt = f"{q:8.3f}" if q is not None else " " * 8

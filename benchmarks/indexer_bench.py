@@ -62,7 +62,12 @@ SHAPES = {
 }
 # --sweep variants at 32K.  Scoring: (MMA rows, key tile, warps, stages, keys on the M axis, FP8 group, maxnreg).
 SCORE_SWEEP = [(128, 128, 8, 2, False, 0, 0), (128, 128, 8, 2, True, 0, 0), (128, 128, 8, 2, True, 0, 128),
-               (128, 64, 4, 3, True, 0, 0), (256, 128, 8, 2, True, 0, 0)]
+               (128, 64, 4, 3, True, 0, 0), (256, 128, 8, 2, True, 0, 0),
+               # around the default (128, 64, 4, 3): deeper and shallower pipelines, twice the key or row tile,
+               # two warpgroups on one tile, one row a program
+               (128, 64, 4, 4, True, 0, 0), (128, 64, 4, 2, True, 0, 0), (128, 128, 4, 3, True, 0, 0),
+               (256, 64, 4, 3, True, 0, 0), (256, 64, 8, 3, True, 0, 0), (128, 64, 8, 3, True, 0, 0),
+               (64, 64, 4, 3, True, 0, 0), (128, 32, 4, 4, True, 0, 0)]
 FP8_SWEEP = [(128, 128, 8, 2, False, 32, 0), (128, 128, 8, 2, True, 0, 0), (128, 128, 8, 2, True, 0, 128),
              (128, 64, 4, 3, True, 0, 0), (256, 128, 8, 2, True, 0, 0), (128, 64, 4, 3, True, 32, 0)]
 # Selection: (block, warps, sample, maxnreg).
@@ -368,7 +373,7 @@ def print_table(rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="8k,32k,128k,8x4k,ext8x32")
+    p.add_argument("--shapes", default="8k,32k,128k,8x4k,ext8x32", help="'' with --sweep: the sweep alone")
     p.add_argument("--budget", type=int, default=64 << 20, help="max_logits_bytes (one chunk of fp32 scores)")
     p.add_argument("--ref-max-tokens", type=int, default=32768)
     p.add_argument("--fp8", action="store_true", help="also time the FP8 form (scoring against torch._scaled_mm)")
