@@ -154,6 +154,39 @@ def test_cpu_calls_are_not_offered_to_deep_gemm(monkeypatch):
     assert dge.choose(x, torch.zeros(2, 256, 256), torch.zeros(2, 256, 128), 128, 128) is False
 
 
+@pytest.mark.parametrize("setting,machine,hidden,want,row", [
+    ("auto", None, 256, True, ("deep_gemm", None)),
+    ("auto", "deep_gemm does not load", 256, False, ("triton", "deep_gemm does not load")),  # the fallback: WARNING
+    ("auto", None, 200, False, ("triton", "torch.bfloat16 H=200, 2I=256 (DeepGEMM takes bf16, multiples of 128)")),
+    ("grouped_mm", None, 256, False, None),
+    ("deep_gemm", "deep_gemm does not load", 256, ValueError, None),
+    ("deep_gemm", None, 200, ValueError, None),
+])
+def test_bf16_choice_follows_the_setting_machine_and_operands(monkeypatch, caplog, setting, machine, hidden, want, row):
+    """``choose_bf16`` on a stand-in CUDA tensor: ``auto`` takes DeepGEMM where it applies, a machine without it is a
+    counted fallback (WARNING), operands it does not take the documented split; forcing it where it cannot run raises."""
+    from types import SimpleNamespace
+
+    from cpgraph.ops import ledger
+
+    monkeypatch.setenv(dge.BF16_ENV, setting)
+    monkeypatch.setattr(dge, "interpreting", lambda: False)
+    monkeypatch.setattr(dge, "machine_reason", lambda x: machine)
+    x = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, shape=(8, hidden))
+    gate_up = SimpleNamespace(shape=(4, 256, hidden))
+    ledger.reset()
+    if want is ValueError:
+        with pytest.raises(ValueError, match="CPGRAPH_BF16_EXPERTS=deep_gemm but"):
+            dge.choose_bf16(x, gate_up)
+        return
+    with caplog.at_level("INFO", logger="cpgraph"):
+        assert dge.choose_bf16(x, gate_up) is want
+    rows = ledger.calls("cuda").get("moe_experts", [])
+    assert rows == ([] if row is None else [{"implementation": row[0], "calls": 1, "reason": row[1]}])
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "instead of deep_gemm" in r.getMessage()]
+    assert len(warned) == (1 if machine else 0)  # (only "auto" gets here with a machine reason)
+
+
 # ------------------------------------------------------------------ GPU with DeepGEMM
 def _real_deep_gemm() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and dge.load() is not None
