@@ -15,8 +15,10 @@ import os
 log = logging.getLogger("cpgraph.kernels")
 
 _TUNE = {
-    # bf16/fp16 scoring: MMA_ROWS query-row heads x KEY_TILE keys per dot.
-    "MMA_ROWS": 128,
+    # bf16/fp16 scoring: MMA_ROWS query-row heads x KEY_TILE keys per dot.  256 (four query rows of 64 heads a
+    # program): H200, 32K causal rows at the 1 GiB score budget, 13 tiles swept (benchmarks/indexer_bench.py
+    # --sweep, 2026-12-05): 15.63 -> 14.23 ms (563 -> 618 TFLOP/s); in the two-layer forward 31.7 -> 29.1-29.5 ms.
+    "MMA_ROWS": 256,
     "KEY_TILE": 64,
     "SCORE_WARPS": 4,
     "SCORE_STAGES": 3,
