@@ -151,7 +151,7 @@ def main() -> int:
                     q, sc = kernel.quantize_activations(x, 128, pow2, scales_column_major=True)
                     return kernel.scaled_mm_gemm(q, sc, w, ws, torch.bfloat16)
                 impls["scaled_mm"] = (scaled, lambda t=None: kernel.scaled_mm_gemm(xq_c, xs_c, w, ws, torch.bfloat16))
-            dg_reason = kernel._deep_gemm_reason(x) or kernel._operand_reason(x, w, 128, 128)
+            dg_reason = kernel._deep_gemm_reason(x) or kernel.deep_gemm_operand_reason(x, w, 128, 128)
             if dg_reason is None:  # what CPGRAPH_FP8_LINEAR=auto runs where DeepGEMM is installed
                 def deep(t=None):
                     q, sc = kernel.quantize_activations(x, 128, pow2, scales_column_major=True)

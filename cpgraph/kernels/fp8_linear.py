@@ -316,7 +316,8 @@ def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int) -> bool:
 
     ``auto`` prefers it over ``scaled_mm`` (H200, V3.2's projections at 32K rows: 1.12-1.19x
     cuBLASLt's blockwise kernel on the same codes and scales, same bits; docs/ops/fp8_linear.md).
-    ``deep_gemm`` on a machine without it raises; operands it does not take (N = 576) go as ``auto``.
+    ``deep_gemm`` on a machine without it raises; operands it does not take (:func:`deep_gemm_operand_reason`)
+    go as ``auto``.
     """
     if choice not in ("auto", "deep_gemm"):
         return False
@@ -325,7 +326,27 @@ def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int) -> bool:
         if choice == "deep_gemm":
             raise ValueError(f"cpgraph.fp8_block_linear: {BACKEND_ENV}=deep_gemm but {machine}")
         return False
-    return _operand_reason(x, w, block_n, block_k) is None
+    return deep_gemm_operand_reason(x, w, block_n, block_k) is None
+
+
+def deep_gemm_operand_reason(x, w, block_n: int, block_k: int) -> str | None:
+    """Why DeepGEMM's ``fp8_gemm_nt`` does not take these operands (``None`` if it does).
+
+    Unlike cuBLASLt's blockwise kernel it takes an ``N`` that ends inside a
+    128-row weight block: V3.2's ``kv_a`` (N = 576) and a fused ``q_a`` +
+    ``kv_a`` (2112) matched the reference on the H200 (relative error 2.1e-3,
+    as at N = 1536), ``kv_a`` 1.7-1.8x the Triton GEMM
+    (benchmarks/deep_gemm_odd_n_probe.py).  Only multiples of 64 were checked,
+    so only those are offered.
+    """
+    if (block_n, block_k) != (128, 128):
+        return f"block {block_n}x{block_k} is not 128x128"
+    n, k = w.shape
+    if n % 64 or k % 128:
+        return f"N={n} must be a multiple of 64 and K={k} of 128"
+    if x.dtype != torch.bfloat16:
+        return f"activations are {x.dtype}, not bfloat16"
+    return None
 
 
 def deep_gemm_linear(xq, xs, w, ws, out_dtype):

@@ -139,6 +139,19 @@ def test_backend_setting_is_checked(monkeypatch):
         dge.bf16_backend()
 
 
+def test_dense_deep_gemm_operand_rule():
+    """DeepGEMM's dense GEMM takes N in multiples of 64 (kv_a's 576), cuBLASLt's blockwise one multiples of 128."""
+    from cpgraph.kernels import fp8_linear as fl
+
+    x = torch.zeros(4, 1024, dtype=torch.bfloat16)
+    assert fl.deep_gemm_operand_reason(x, torch.zeros(576, 1024), 128, 128) is None
+    assert "N=576" in fl._operand_reason(x, torch.zeros(576, 1024), 128, 128)
+    assert "N=200" in fl.deep_gemm_operand_reason(x, torch.zeros(200, 1024), 128, 128)
+    assert "K=1000" in fl.deep_gemm_operand_reason(x[:, :1000], torch.zeros(576, 1000), 128, 128)
+    assert "64x128" in fl.deep_gemm_operand_reason(x, torch.zeros(576, 1024), 64, 128)
+    assert "float32" in fl.deep_gemm_operand_reason(x.float(), torch.zeros(576, 1024), 128, 128)
+
+
 def test_operand_reasons_name_the_operand():
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     gu, d = torch.zeros(2, 256, 256), torch.zeros(2, 256, 128)
@@ -292,8 +305,19 @@ def test_gpu_deep_gemm_dense_linear_matches_scaled_mm(monkeypatch):
         got = torch.ops.cpgraph.fp8_block_linear(x, wq, ws, 128, 128, True)
         assert {r["implementation"] for r in ledger.calls("cuda")["fp8_block_linear"]} == {"deep_gemm"}
         assert rel_l2(got, want) <= 2**-9  # same codes and scales, FP8 MMA sums in another order
-    # N = 576 (kv_a_proj_with_mqa) is not DeepGEMM's: even asked for, it goes as auto (the Triton GEMM)
+    # N = 576 (kv_a_proj_with_mqa) ends inside a weight block: DeepGEMM takes it, against the Triton GEMM's bits
     w576, s576 = quantize_blocks(torch.randn(1, 576, 1024, generator=g) / 32, 128, 128)
+    w576, s576 = w576[0].cuda(), s576[0].cuda()
+    monkeypatch.setenv("CPGRAPH_FP8_LINEAR", "triton")
+    want = torch.ops.cpgraph.fp8_block_linear(x, w576, s576, 128, 128, True)
+    monkeypatch.setenv("CPGRAPH_FP8_LINEAR", "auto")
     ledger.reset()
-    torch.ops.cpgraph.fp8_block_linear(x, w576[0].cuda(), s576[0].cuda(), 128, 128, True)
+    got = torch.ops.cpgraph.fp8_block_linear(x, w576, s576, 128, 128, True)
+    assert {r["implementation"] for r in ledger.calls("cuda")["fp8_block_linear"]} == {"deep_gemm"}
+    assert rel_l2(got, want) <= 2**-9
+    # N = 200 is not a multiple of 64: even asked for, DeepGEMM is not offered (the Triton GEMM runs)
+    w200, s200 = quantize_blocks(torch.randn(1, 200, 1024, generator=g) / 32, 128, 128)
+    monkeypatch.setenv("CPGRAPH_FP8_LINEAR", "deep_gemm")
+    ledger.reset()
+    torch.ops.cpgraph.fp8_block_linear(x, w200[0].cuda(), s200[0].cuda(), 128, 128, True)
     assert {r["implementation"] for r in ledger.calls("cuda")["fp8_block_linear"]} == {"triton"}
