@@ -2,7 +2,7 @@
 
 Shapes ``(name, N, K)`` are V3.2's FP8 projections (hidden 7168, q_lora 1536,
 kv_lora 512 + rope 64, 128 heads, expert intermediate 2048): ``q_a``
-7168->1536, ``kv_a`` 7168->576, ``q_b`` 1536->24576, ``o_proj``
+7168->1536, ``kv_a`` 7168->576, ``q_a_kv_a`` (both as one GEMM) 7168->2112, ``q_b`` 1536->24576, ``o_proj``
 16384->7168, ``wq_b`` (indexer) 1536->8192, ``expert gate_up``
 7168->4096, ``expert down`` 2048->7168; ``M`` (tokens) from 256 to 32K.
 
@@ -41,6 +41,7 @@ import torch
 SHAPES = {
     "q_a": (1536, 7168),
     "kv_a": (576, 7168),
+    "q_a_kv_a": (1536 + 576, 7168),  # q_a and kv_a as one GEMM over one quantisation of the normed input
     "q_b": (128 * 192, 1536),
     "o_proj": (7168, 128 * 128),
     "wq_b": (64 * 128, 1536),

@@ -335,9 +335,9 @@ def deep_gemm_operand_reason(x, w, block_n: int, block_k: int) -> str | None:
     Unlike cuBLASLt's blockwise kernel it takes an ``N`` that ends inside a
     128-row weight block: V3.2's ``kv_a`` (N = 576) and a fused ``q_a`` +
     ``kv_a`` (2112) matched the reference on the H200 (relative error 2.1e-3,
-    as at N = 1536), ``kv_a`` 1.7-1.8x the Triton GEMM
-    (benchmarks/deep_gemm_odd_n_probe.py).  Only multiples of 64 were checked,
-    so only those are offered.
+    as at N = 1536), ``kv_a`` 1.7-1.8x the Triton GEMM (a probe, 2026-12-05;
+    ``benchmarks/fp8_linear_bench.py --shapes kv_a,q_a_kv_a --check`` repeats
+    it).  Only multiples of 64 were checked, so only those are offered.
     """
     if (block_n, block_k) != (128, 128):
         return f"block {block_n}x{block_k} is not 128x128"
