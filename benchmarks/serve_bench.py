@@ -296,7 +296,8 @@ def idle_overhead(server, trace, n: int) -> dict:
     prompts = [rng.integers(0, eng.vocab, len(trace[i % len(trace)])).tolist() for i in range(3 * n)]
     keys = ("direct_sched", "aiohttp_http", "aiohttp_sched", "aiohttp_total", "lean_http", "lean_sched", "lean_total",
             "forward", "aiohttp_floor", "lean_floor", "aiohttp_handoff_floor", "lean_handoff_floor", "remote_total",
-            "remote_http", "remote_sched", "remote_floor", "remote_handoff_floor")
+            "remote_http", "remote_sched", "remote_floor", "remote_handoff_floor", "direct_handoff", "direct_queue",
+            "direct_in_step")
     v = {k: [] for k in keys}
     echo = start_echo_server()
     # Each prompt length once first (compiles, CUDA-graph captures of its buckets), then an empty
@@ -319,8 +320,14 @@ def idle_overhead(server, trace, n: int) -> dict:
                 time.sleep(0.002)  # idle: the engine thread has finished the step before (its bookkeeping too)
                 f0 = eng.stats.step_seconds
                 t0 = time.perf_counter()
-                eng.submit(engine_request(prompts[3 * i])).wait()
-                v["direct_sched"].append(time.perf_counter() - t0 - (eng.stats.step_seconds - f0))
+                handle = eng.submit(engine_request(prompts[3 * i]))
+                handle.wait()
+                dt = time.perf_counter() - t0
+                v["direct_sched"].append(dt - (eng.stats.step_seconds - f0))
+                t = handle.result.timings  # where it went: the engine's own clock of the request
+                v["direct_handoff"].append(dt - t["total"])
+                v["direct_queue"].append(t["queue"])
+                v["direct_in_step"].append(t["prefill"] - t["forward"])
                 time.sleep(0.002)
                 f0 = eng.stats.step_seconds
                 dt, body = await _post(s, server.url, prompts[3 * i + 1])
@@ -365,7 +372,12 @@ def idle_overhead(server, trace, n: int) -> dict:
     med = lambda x: 1e3 * statistics.median(x)  # noqa: E731
     out = {"requests": n, "prompt_tokens": [len(prompts[3 * i + 1]) for i in range(n)],
            "forward_ms": [1e3 * f for f in v["forward"]], "forward_ms_p50": med(v["forward"]),
-           "direct_scheduling_overhead_ms_p50": med(v["direct_sched"])}
+           "direct_scheduling_overhead_ms_p50": med(v["direct_sched"]),
+           # The direct calls' scheduling, split by the engine's own timings of each request: the caller's
+           # submit and wake-up outside the engine, submit -> admitted (the engine thread's wake-up and the
+           # admission), and admitted -> answer less the forward (planning, sampling, the result).
+           "direct_split_ms_p50": {"handoff": med(v["direct_handoff"]), "queue": med(v["direct_queue"]),
+                                   "in_step": med(v["direct_in_step"])}}
     for kind in ("aiohttp", "lean", "remote"):
         http, sched = v[f"{kind}_http"], v[f"{kind}_sched"]
         out[kind] = {"http_overhead_ms_p50": med(http), "scheduling_overhead_ms_p50": med(sched),
@@ -673,7 +685,10 @@ def main() -> None:
                   f"overhead above it: {k['server_above_handoff_floor_ms_p50']:.3f} ms); "
                   f"unloaded TTFT p50 {k['unloaded_ttft_ms_p50']:.1f} ms p99 {k['unloaded_ttft_ms_p99']:.1f} ms; "
                   f"against direct engine calls: {k['overhead_vs_direct_ms_p50']:.3f} ms", flush=True)
-        print(f"idle, direct engine calls: scheduling {idle['direct_scheduling_overhead_ms_p50']:.3f} ms", flush=True)
+        split = idle["direct_split_ms_p50"]
+        print(f"idle, direct engine calls: scheduling {idle['direct_scheduling_overhead_ms_p50']:.3f} ms (medians: "
+              f"caller's hand-off {split['handoff']:.3f}, queue {split['queue']:.3f}, in-step less the forward "
+              f"{split['in_step']:.3f})", flush=True)
         if args.idle_only:
             return
         print(f"[{_load()}]", flush=True)

@@ -41,6 +41,7 @@ class _Live:
         self.l3_checked = False  # leader: its L3 lookup ran (a prefetch started, or nothing to fetch)
         self.t_submit, self.t_admit, self.deadline = now, None, deadline
         self.transfer_s, self.transfer_ok, self.sent_pages, self.chunks = 0.0, True, 0, 0
+        self.forward_s = 0.0  # the forwards of the steps that ran its chunks (whole steps: shared with their batch)
         # With a draft: how the first token is chosen (on every rank: the draft reads it), the chosen token
         # (the radix node's next token when the prompt ends on a page boundary) and the draft's guess after it.
         self.sampling: Sampling | None = None

@@ -548,6 +548,8 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
         self.stats.steps["graph" if replays1 > replays0 else "eager"] += 1
         self.stats.last_step_tokens = tokens = sum(e - s for _, s, e in chunks)
         self.stats.step_seconds += forward_s
+        for live in lives:
+            live.forward_s += forward_s
         self.cold_steps += cold
         self.step_log.append((forward_s, tokens, len(chunks), cold))
         finished, done, answers = [], [], []

@@ -46,7 +46,7 @@ class RequestResult:
     cached_tokens: dict = field(default_factory=lambda: {"device": 0, "host": 0})  # prompt tokens per cache tier
     computed_tokens: int = 0
     chunks: int = 0  # forward steps this request took part in
-    timings: dict = field(default_factory=dict)  # seconds: queue, prefill, transfer, total
+    timings: dict = field(default_factory=dict)  # seconds: queue, prefill, forward, transfer, total
     transfer: dict | None = None  # {"room", "ok", "bytes_sent"} when the request named a room
     error: str | None = None
     refusal: str | None = None  # with status "refused": one of REFUSALS

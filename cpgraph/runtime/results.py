@@ -27,7 +27,7 @@ def request_result(live: _Live, status: str, now: float, stats: _Stats, l3: bool
     res = RequestResult(status, len(live.tokens), cached_tokens=hits, chunks=live.chunks,
                         computed_tokens=len(live.tokens) - sum(hits.values()) if status == FINISHED else 0,
                         timings={"queue": admitted - live.t_submit, "prefill": now - admitted,
-                                 "transfer": live.transfer_s, "total": now - live.t_submit},
+                                 "forward": live.forward_s, "transfer": live.transfer_s, "total": now - live.t_submit},
                         error=error, refusal=refusal)
     if status in (CANCELLED, TIMEOUT) and error is None:
         res.error = "cancelled by the client" if status == CANCELLED else "the request timed out"

@@ -164,3 +164,25 @@ def test_one_lane_available_pages_equal_the_lane_arithmetic(model):
     assert seen  # some steps had running requests with reservations
     assert engine._available().tolist() == (engine.cache.device.ledger.free_pages()
                                              + engine.cache.evictable_by_lane()).tolist()
+
+
+def test_timings_split_the_forward_from_the_engine_work(model):
+    """``timings["forward"]`` is the forward time of the steps that computed the request's chunks (each step's
+    forward counted whole for every request in it), inside ``prefill``; a request cancelled in the queue ran none."""
+    eng = _engine(model, num_pages=64)  # token budget 64: a 150-token prompt runs in 3 chunks
+    a, b = _prompts([150, 40], seed=5)
+    ha, hb = eng.submit(engine_request(a)), eng.submit(engine_request(b))
+    per_step = []
+    while eng.has_work():
+        f0 = eng.stats.step_seconds
+        eng.step()
+        per_step.append(eng.stats.step_seconds - f0)
+    ta, tb = ha.result.timings, hb.result.timings
+    assert ha.result.chunks == 3 and len(per_step) >= 3
+    assert 0 < ta["forward"] <= ta["prefill"] <= ta["total"] and 0 < tb["forward"] <= tb["prefill"]
+    assert ta["forward"] + tb["forward"] > sum(per_step)  # a step that ran both is counted in both
+    assert max(ta["forward"], tb["forward"]) <= sum(per_step) + 1e-9
+    waiting = eng.submit(engine_request(a))  # cancelled before any step: it ran no forward
+    eng.cancel(waiting)
+    eng.step()
+    assert waiting.result.status == "cancelled" and waiting.result.timings["forward"] == 0.0
