@@ -273,13 +273,14 @@ def _machine_reason(x) -> str | None:
     return None
 
 
-def _operand_reason(x, w, block_n: int, block_k: int) -> str | None:
-    """Why these operands do not fit :func:`scaled_mm_gemm` (``None`` if they do)."""
+def _operand_reason(x, w, block_n: int, block_k: int, n_multiple: int = 128) -> str | None:
+    """Why these operands do not fit :func:`scaled_mm_gemm` (``None`` if they do); ``n_multiple``: the N rule."""
     if (block_n, block_k) != (128, 128):
         return f"block {block_n}x{block_k} is not 128x128"
     n, k = w.shape
-    if n % 128 or k % 128:
-        return f"N={n} and K={k} must be multiples of 128"
+    if n % n_multiple or k % 128:
+        return (f"N={n} and K={k} must be multiples of 128" if n_multiple == 128 else
+                f"N={n} must be a multiple of {n_multiple} and K={k} of 128")
     if x.dtype != torch.bfloat16:
         return f"activations are {x.dtype}, not bfloat16"
     return None
@@ -339,14 +340,7 @@ def deep_gemm_operand_reason(x, w, block_n: int, block_k: int) -> str | None:
     ``benchmarks/fp8_linear_bench.py --shapes kv_a,q_a_kv_a --check`` repeats
     it).  Only multiples of 64 were checked, so only those are offered.
     """
-    if (block_n, block_k) != (128, 128):
-        return f"block {block_n}x{block_k} is not 128x128"
-    n, k = w.shape
-    if n % 64 or k % 128:
-        return f"N={n} must be a multiple of 64 and K={k} of 128"
-    if x.dtype != torch.bfloat16:
-        return f"activations are {x.dtype}, not bfloat16"
-    return None
+    return _operand_reason(x, w, block_n, block_k, n_multiple=64)
 
 
 def deep_gemm_linear(xq, xs, w, ws, out_dtype):
