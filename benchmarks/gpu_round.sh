@@ -7,10 +7,12 @@
 # under $OUT (default ./gpu_out) and keeps going past a failing step, so one broken step costs no rerun.
 #
 #   benchmarks/gpu_round.sh prepare     # this machine, with network: wheels and headers into .whl/ (git-ignored)
-#   benchmarks/gpu_round.sh selection   # GPU: DeepGEMM built in the background; top-k sweep + stage cuts;
-#                                       #      the indexer kernels' GPU tests; the DeepGEMM wheel kept in $OUT
+#   benchmarks/gpu_round.sh selection   # GPU: DeepGEMM built in the background; top-k sweep + stage cuts; the
+#                                       #      scoring tiles' sweep; the indexer kernels' GPU tests; the DeepGEMM
+#                                       #      wheel kept in $OUT
 #   benchmarks/gpu_round.sh forward     # GPU: two V3.2 layers at 32K, compiled, profiled (the targets' run);
-#                                       #      FP8 linears at M = 4096 and 32768, DeepGEMM, SwiGLU benches
+#                                       #      the FP8 GEMMs' GPU tests; FP8 linears at M = 4096 and 32768,
+#                                       #      DeepGEMM, SwiGLU benches
 #   benchmarks/gpu_round.sh serve       # GPU: the serving tests and serve_bench, production-shaped
 #   benchmarks/gpu_round.sh cp2         # 2 GPUs: the CP + CUDA-graph tests (graph runner, serve)
 #
@@ -101,6 +103,9 @@ selection)
     step topk_sweep python3 benchmarks/topk_select_bench.py --sweep --stages --json "$OUT/topk.json" \
         --write-tuning "$OUT/tuning.json"
     cp "$OUT/tuning.json" "$STATE/tuning.json" 2>/dev/null
+    # The scoring tiles (bf16 and FP8 keys) at the forward's 1 GiB score budget: the sweep alone
+    step score_sweep python3 benchmarks/indexer_bench.py --sweep --fp8 --shapes "" --budget 1073741824 \
+        --tuning-out "$OUT/score_tuning.json"
     step indexer_gpu_tests python3 -m pytest -q -m gpu tests/kernels/test_indexer_kernels.py -p no:cacheprovider
     step sass_loops python3 benchmarks/sass_loops.py
     [ -n "${DG_PID:-}" ] && { wait "$DG_PID"; echo "DeepGEMM build: exit $?"; tail -n 5 "$OUT/deep_gemm_build.log"; }
@@ -114,7 +119,11 @@ forward)
     step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
         --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --json "$OUT/production_32k.json"
     # The dense FP8 linears' target at M = 4096 (and 32768 beside it), DeepGEMM's kernels and the fused SwiGLU
-    step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --check --json "$OUT/fp8_linear.json"
+    step fp8_gpu_tests python3 -m pytest -q -m gpu tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \
+        -p no:cacheprovider
+    # Device time (CUDA-graph replays: eager calls add ~60 us of host time at 4096 rows)
+    step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph --check \
+        --json "$OUT/fp8_linear.json"
     step deep_gemm python3 benchmarks/deep_gemm_bench.py --json "$OUT/deep_gemm.json"
     step swiglu python3 benchmarks/swiglu_bench.py --json "$OUT/swiglu.json"
     ;;
