@@ -83,10 +83,16 @@ def backend() -> str:
     return choice
 
 
-def bf16_backend() -> str:
+def _bf16_setting() -> str:
+    """``CPGRAPH_BF16_EXPERTS`` as given (``auto`` unresolved): forcing and ``auto`` fail differently."""
     choice = os.environ.get(BF16_ENV, "auto").strip().lower() or "auto"
     if choice not in BF16_BACKENDS:
         raise ValueError(f"{BF16_ENV} must be one of {', '.join(BF16_BACKENDS)}, got {choice!r}")
+    return choice
+
+
+def bf16_backend() -> str:
+    choice = _bf16_setting()
     return BF16_AUTO if choice == "auto" else choice
 
 
@@ -188,8 +194,8 @@ def choose_bf16(x, gate_up) -> bool:
     """
     if x.device.type != "cuda" or interpreting():
         return False
-    choice = bf16_backend()
-    if choice == "grouped_mm":
+    setting = _bf16_setting()
+    if (BF16_AUTO if setting == "auto" else setting) == "grouped_mm":
         return False
     machine = machine_reason(x)
     why_not = machine
@@ -198,7 +204,7 @@ def choose_bf16(x, gate_up) -> bool:
     if why_not is None:
         ledger.ran_as(OP, x.device.type, NAME)
         return True
-    if os.environ.get(BF16_ENV, "auto").strip().lower() == "deep_gemm":
+    if setting == "deep_gemm":
         raise ValueError(f"cpgraph.moe_experts: {BF16_ENV}=deep_gemm but {why_not}")
     if machine is not None:
         ledger.fell_back(OP, x.device.type, "triton", why_not, instead_of=NAME)
