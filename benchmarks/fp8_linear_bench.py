@@ -26,6 +26,10 @@ rows first.
     python benchmarks/fp8_linear_bench.py --json out.json
     python benchmarks/fp8_linear_bench.py --rows 256,4096 --shapes q_a,o_proj --sweep   # Triton tile variants
     python benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph     # CUDA-graph replays (no host time)
+
+Then, per group of projections that read one input (``--groups``): the bf16 GEMMs, FP8 with a quantisation
+per projection, and FP8 with one shared quantisation (what the compiled forward runs after the
+``share_activation_quantization`` pass), with their ratios to bf16.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ SHAPES = {
     "wq_b": (64 * 128, 1536),
     "expert_gate_up": (2 * 2048, 7168),
     "expert_down": (7168, 2048),
+}
+# Projections that read one activation (cpgraph's share_activation_quantization pass quantises it once for all):
+# name -> (K, [(projection, N), ...]).  V3.2: the normed hidden state feeds q_a, kv_a and the indexer's wk; the
+# query latent q_b and the indexer's wq_b; a shared expert's input its gate and up (a dense MLP's: N 18432).
+GROUPS = {
+    "attn_input": (7168, [("q_a", 1536), ("kv_a", 576), ("wk", 128)]),
+    "q_latent": (1536, [("q_b", 128 * 192), ("wq_b", 64 * 128)]),
+    "shared_expert": (7168, [("gate", 2048), ("up", 2048)]),
 }
 ROWS = (256, 1024, 4096, 8192, 16384, 32768)
 # Triton tile variants for --sweep: (BM, BN, num_warps, num_stages).
@@ -115,6 +127,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time the Triton tile variants")
     ap.add_argument("--pow2", type=int, default=1, help="ue8m0 activation scales (1, V3.2's recipe) or fp32 (0)")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    ap.add_argument("--groups", default=",".join(GROUPS),
+                    help=f"projections sharing an input, timed as one quantisation + their GEMMs against bf16 and "
+                         f"against a quantisation each (comma-separated from {', '.join(GROUPS)}; '' for none)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("fp8_linear_bench: needs a CUDA device", file=sys.stderr)
@@ -152,7 +167,7 @@ def main() -> int:
                     q, sc = kernel.quantize_activations(x, 128, pow2, scales_column_major=True)
                     return kernel.scaled_mm_gemm(q, sc, w, ws, torch.bfloat16)
                 impls["scaled_mm"] = (scaled, lambda t=None: kernel.scaled_mm_gemm(xq_c, xs_c, w, ws, torch.bfloat16))
-            dg_reason = kernel._deep_gemm_reason(x) or kernel.deep_gemm_operand_reason(x, w, 128, 128)
+            dg_reason = kernel._deep_gemm_reason(x) or kernel.deep_gemm_operand_reason(x.dtype, w, 128, 128)
             if dg_reason is None:  # what CPGRAPH_FP8_LINEAR=auto runs where DeepGEMM is installed
                 def deep(t=None):
                     q, sc = kernel.quantize_activations(x, 128, pow2, scales_column_major=True)
@@ -189,7 +204,53 @@ def main() -> int:
                 write_json(args.json, out, pow2, kernel)
             del x, w, ws, w_bf16, xq, xs, xq_c, xs_c
             torch.cuda.empty_cache()
+    for name in [g for g in args.groups.split(",") if g]:
+        for M in rows_list:
+            out += time_group(name, M, pow2, args.check)
+            if args.json:
+                write_json(args.json, out, pow2, kernel)
     return 0
+
+
+def time_group(name: str, M: int, pow2: bool, check: bool) -> list[dict]:
+    """One input, several projections: bf16 GEMMs vs FP8 with one quantisation each vs one shared quantisation
+    (the ops the compiled forward runs: ``fp8_block_linear`` each, or ``fp8_quantize_activations`` +
+    ``fp8_linear_quantized`` after the share pass; their GEMM is the one ``auto`` picks)."""
+    ops = torch.ops.cpgraph
+    K, projs = GROUPS[name]
+    cases = [make_case(M, N, K, seed=i) for i, (_, N) in enumerate(projs)]
+    x = cases[0][0]
+    weights = [(w, ws, w_bf16) for _, w, ws, w_bf16 in cases]
+    flops = sum(2 * M * N * K for _, N in projs)
+
+    def bf16():
+        return [x @ wb.t() for _, _, wb in weights]
+
+    def separate():
+        return [ops.fp8_block_linear(x, w, ws, 128, 128, pow2) for w, ws, _ in weights]
+
+    def shared():
+        q, sc = ops.fp8_quantize_activations(x, 128, pow2)
+        return [ops.fp8_linear_quantized(q, sc, w, ws, 128, 128, torch.bfloat16) for w, ws, _ in weights]
+
+    if check:
+        for a, b in zip(separate(), shared()):
+            if not torch.equal(a, b):
+                raise SystemExit(f"fp8_linear_bench: group {name} M={M}: the shared quantisation changed a result")
+    times = {"bf16": time_ms(bf16), "fp8, a quantisation each": time_ms(separate),
+             "fp8, one quantisation": time_ms(shared)}
+    quant_ms = time_ms(lambda: ops.fp8_quantize_activations(x, 128, pow2))
+    label = "+".join(p for p, _ in projs)
+    rows = []
+    for impl, ms in times.items():
+        print(f"{label:>15} {M:>6} {impl:>22} {ms:8.3f} {flops / ms / 1e9:8.1f} {times['bf16'] / ms:7.2f} "
+              f"{quant_ms if impl != 'bf16' else float('nan'):8.3f}")
+        rows.append({"shape": name, "projections": [p for p, _ in projs], "K": K, "M": M, "impl": impl, "ms": ms,
+                     "tflops": flops / ms / 1e9, "x_bf16": times["bf16"] / ms, "quant_ms": quant_ms})
+    sys.stdout.flush()
+    del cases, weights, x
+    torch.cuda.empty_cache()
+    return rows
 
 
 def write_json(path, rows, pow2, kernel) -> None:

@@ -69,6 +69,8 @@ def providers() -> dict:
         "moe_experts": moe.moe_experts,
         **indexer.providers(),
         "fp8_block_linear": fp8_linear.fp8_block_linear,
+        "fp8_quantize_activations": fp8_linear.fp8_quantize_activations,
+        "fp8_linear_quantized": fp8_linear.fp8_linear_quantized,
         "mla_query": mla_query.mla_query,
         "hadamard": index_quant.hadamard,
         "index_k_quant": index_quant.index_k_quant,

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from cpgraph.ops import ledger
-from cpgraph.ops.fp8_linear import check_fp8_block_linear, ceil_div
+from cpgraph.ops.fp8_linear import QUANTIZED_OP, ceil_div, check_fp8_block_linear, check_fp8_linear_quantized
 
 from . import deep_gemm_lib
 from ._bits import KIND_BF16, KIND_F16, KIND_F32, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
@@ -60,21 +60,27 @@ OP = "fp8_block_linear"
 # ------------------------------------------------------ activation quant
 @triton.jit
 def _quantize_kernel(
-    x, q, scales, M, K, stride_xm, stride_sm, stride_sg,
-    GROUP: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, POW2: tl.constexpr,
+    x, q, scales, M, K, G, stride_xm, stride_sm, stride_sg,
+    GROUP: tl.constexpr, GP: tl.constexpr, PAIRS: tl.constexpr, POW2: tl.constexpr,
     KIND: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
-    """One ``[ROWS, GROUP]`` tile: per-row amax, scale, e4m3 codes (the reference's arithmetic)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, GP)
-    ok_r = rows < M
-    ok = ok_r[:, None] & (cols[None, :] < K) & (tl.arange(0, GP)[None, :] < GROUP)
-    r64 = rows.to(tl.int64)
-    v = load_f32(x + r64[:, None] * stride_xm + cols[None, :], ok, KIND)
+    """``PAIRS`` consecutive (row, group) pairs, one per tile row: per-pair amax, scale, e4m3 codes.
+
+    Why pairs, not a ``[rows, group]`` tile per program: consecutive pairs of one row are one contiguous
+    run of ``x`` (64 pairs of 128 bf16 = 16 KB a program), so a program streams long runs and the grid
+    is ~60x smaller than one program per 16 x 128 tile (H200, 4096 x 7168: 26 us before, at ~3.4 TB/s).
+    """
+    p = tl.program_id(0).to(tl.int64) * PAIRS + tl.arange(0, PAIRS)
+    row = p // G
+    g = p - row * G
+    ok_p = row < M
+    lane = tl.arange(0, GP)
+    cols = g[:, None] * GROUP + lane[None, :]
+    ok = ok_p[:, None] & (lane[None, :] < GROUP) & (cols < K)
+    v = load_f32(x + row[:, None] * stride_xm + cols, ok, KIND)
     y, s = quantize_group(v, ok, POW2)
-    store_e4m3(q + r64[:, None] * K + cols[None, :], y, ok, HW_CAST)
-    tl.store(scales + r64 * stride_sm + g * stride_sg, s, mask=ok_r)
+    store_e4m3(q + row[:, None] * K + cols, y, ok, HW_CAST)
+    tl.store(scales + row * stride_sm + g * stride_sg, s, mask=ok_p)
 
 
 @triton.jit
@@ -127,12 +133,12 @@ def quantize_activations(x: torch.Tensor, group: int, pow2: bool, *, scales_colu
     if m == 0 or k == 0:
         return q, scales
     hw = not interpreting()
-    rows = 4 if interpreting() else max(1, min(16, 4096 // triton.next_power_of_2(group)))
+    gp = triton.next_power_of_2(group)
+    pairs = 4 if interpreting() else max(1, 8192 // gp)  # 64 pairs of 128: 8K values a program
     src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-    _quantize_kernel[(triton.cdiv(m, rows), groups)](
-        src, q if hw else q.view(torch.uint8), scales, m, k, x.stride(0), scales.stride(0), scales.stride(1),
-        GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=_KINDS[x.dtype],
-        HW_CAST=hw, num_warps=4,
+    _quantize_kernel[(triton.cdiv(m * groups, pairs),)](
+        src, q if hw else q.view(torch.uint8), scales, m, k, groups, x.stride(0), scales.stride(0), scales.stride(1),
+        GROUP=group, GP=gp, PAIRS=pairs, POW2=bool(pow2), KIND=_KINDS[x.dtype], HW_CAST=hw, num_warps=4,
     )  # fmt: skip
     return q, scales
 
@@ -273,7 +279,7 @@ def _machine_reason(x) -> str | None:
     return None
 
 
-def _operand_reason(x, w, block_n: int, block_k: int, n_multiple: int = 128) -> str | None:
+def _operand_reason(act_dtype, w, block_n: int, block_k: int, n_multiple: int = 128) -> str | None:
     """Why these operands do not fit :func:`scaled_mm_gemm` (``None`` if they do); ``n_multiple``: the N rule."""
     if (block_n, block_k) != (128, 128):
         return f"block {block_n}x{block_k} is not 128x128"
@@ -281,14 +287,14 @@ def _operand_reason(x, w, block_n: int, block_k: int, n_multiple: int = 128) -> 
     if n % n_multiple or k % 128:
         return (f"N={n} and K={k} must be multiples of 128" if n_multiple == 128 else
                 f"N={n} must be a multiple of {n_multiple} and K={k} of 128")
-    if x.dtype != torch.bfloat16:
-        return f"activations are {x.dtype}, not bfloat16"
+    if act_dtype != torch.bfloat16:
+        return f"activations are {act_dtype}, not bfloat16"
     return None
 
 
 def scaled_mm_reason(x, w, block_n: int, block_k: int) -> str | None:
     """``None`` when :func:`scaled_mm_gemm` applies to these operands, else why not (static facts only)."""
-    return _machine_reason(x) or _operand_reason(x, w, block_n, block_k)
+    return _machine_reason(x) or _operand_reason(x.dtype, w, block_n, block_k)
 
 
 def scaled_mm_gemm(xq, xs, w, ws, out_dtype):
@@ -312,7 +318,7 @@ def _deep_gemm_reason(x) -> str | None:
     return deep_gemm_lib.machine_reason(x)
 
 
-def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int) -> bool:
+def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int, act_dtype=None) -> bool:
     """Whether this call runs DeepGEMM: ``auto`` and ``deep_gemm`` where the machine and the operands take it.
 
     ``auto`` prefers it over ``scaled_mm`` (H200, V3.2's projections at 32K rows: 1.12-1.19x
@@ -327,10 +333,10 @@ def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int) -> bool:
         if choice == "deep_gemm":
             raise ValueError(f"cpgraph.fp8_block_linear: {BACKEND_ENV}=deep_gemm but {machine}")
         return False
-    return deep_gemm_operand_reason(x, w, block_n, block_k) is None
+    return deep_gemm_operand_reason(act_dtype or x.dtype, w, block_n, block_k) is None
 
 
-def deep_gemm_operand_reason(x, w, block_n: int, block_k: int) -> str | None:
+def deep_gemm_operand_reason(act_dtype, w, block_n: int, block_k: int) -> str | None:
     """Why DeepGEMM's ``fp8_gemm_nt`` does not take these operands (``None`` if it does).
 
     Unlike cuBLASLt's blockwise kernel it takes an ``N`` that ends inside a
@@ -340,7 +346,7 @@ def deep_gemm_operand_reason(x, w, block_n: int, block_k: int) -> str | None:
     ``benchmarks/fp8_linear_bench.py --shapes kv_a,q_a_kv_a --check`` repeats
     it).  Only multiples of 64 were checked, so only those are offered.
     """
-    return _operand_reason(x, w, block_n, block_k, n_multiple=64)
+    return _operand_reason(act_dtype, w, block_n, block_k, n_multiple=64)
 
 
 def deep_gemm_linear(xq, xs, w, ws, out_dtype):
@@ -359,32 +365,65 @@ def backend() -> str:
     return choice
 
 
-def fp8_block_linear(x, weight, weight_scale_inv, block_n: int, block_k: int, act_scale_pow2: bool):
-    """Provider: quantise activations (Triton), then the GEMM ``CPGRAPH_FP8_LINEAR`` selects (counted per call)."""
-    check_fp8_block_linear(x, weight, weight_scale_inv, block_n, block_k)
+def choose_gemm(op: str, x, w, block_n: int, block_k: int, act_dtype) -> str:
+    """Which GEMM computes this call (``deep_gemm``, ``scaled_mm`` or ``triton``), counted for ``op`` (module doc).
+
+    ``x``: any tensor on the call's device; ``act_dtype``: the activations' (= the output's) dtype.
+    """
     choice = backend()
     device = x.device.type
     if choice == "triton":
-        ledger.ran_as(OP, device, "triton", f"{BACKEND_ENV}=triton")
-    elif _deep_gemm_applies(choice, x, weight, block_n, block_k):
-        ledger.ran_as(OP, device, "deep_gemm")
-        xq, xs = quantize_activations(x, block_k, act_scale_pow2, scales_column_major=True)
-        return deep_gemm_linear(xq, xs, weight, weight_scale_inv, x.dtype)
-    else:  # auto, scaled_mm, or deep_gemm where the operands rule DeepGEMM out (N = 576): as auto
-        machine = _machine_reason(x)
-        why_not = machine or _operand_reason(x, weight, block_n, block_k)
-        if choice == "scaled_mm" and why_not is not None:
-            raise ValueError(f"cpgraph.fp8_block_linear: {BACKEND_ENV}=scaled_mm but {why_not}")
-        if why_not is None:
-            ledger.ran_as(OP, device, "scaled_mm")
-            xq, xs = quantize_activations(x, block_k, act_scale_pow2, scales_column_major=True)
-            return scaled_mm_gemm(xq, xs, weight, weight_scale_inv, x.dtype)
-        if machine is not None and device == "cuda":
-            ledger.fell_back(OP, device, "triton", why_not, instead_of="scaled_mm")
-        else:
-            ledger.ran_as(OP, device, "triton", why_not)
-    xq, xs = quantize_activations(x, block_k, act_scale_pow2)
-    return block_scaled_gemm(xq, xs, weight, weight_scale_inv, block_n, block_k, x.dtype)
+        ledger.ran_as(op, device, "triton", f"{BACKEND_ENV}=triton")
+        return "triton"
+    if _deep_gemm_applies(choice, x, w, block_n, block_k, act_dtype):
+        ledger.ran_as(op, device, "deep_gemm")
+        return "deep_gemm"
+    # auto, scaled_mm, or deep_gemm where the operands rule DeepGEMM out: as auto
+    machine = _machine_reason(x)
+    why_not = machine or _operand_reason(act_dtype, w, block_n, block_k)
+    if choice == "scaled_mm" and why_not is not None:
+        raise ValueError(f"cpgraph.{op}: {BACKEND_ENV}=scaled_mm but {why_not}")
+    if why_not is None:
+        ledger.ran_as(op, device, "scaled_mm")
+        return "scaled_mm"
+    if machine is not None and device == "cuda":
+        ledger.fell_back(op, device, "triton", why_not, instead_of="scaled_mm")
+    else:
+        ledger.ran_as(op, device, "triton", why_not)
+    return "triton"
+
+
+def _gemm(kind: str, xq, xs, w, ws, block_n: int, block_k: int, out_dtype):
+    if kind == "deep_gemm":
+        return deep_gemm_linear(xq, _column_major(xs), w, ws, out_dtype)
+    if kind == "scaled_mm":
+        return scaled_mm_gemm(xq, _column_major(xs), w, ws, out_dtype)
+    return block_scaled_gemm(xq, xs, w, ws, block_n, block_k, out_dtype)
+
+
+def _column_major(xs):
+    m = xs.shape[0]
+    return xs if xs.stride() == (1, m) or m <= 1 else xs.t().contiguous().t()
+
+
+def fp8_block_linear(x, weight, weight_scale_inv, block_n: int, block_k: int, act_scale_pow2: bool):
+    """Provider: quantise activations (Triton), then the GEMM ``CPGRAPH_FP8_LINEAR`` selects (counted per call)."""
+    check_fp8_block_linear(x, weight, weight_scale_inv, block_n, block_k)
+    kind = choose_gemm(OP, x, weight, block_n, block_k, x.dtype)
+    xq, xs = quantize_activations(x, block_k, act_scale_pow2, scales_column_major=kind != "triton")
+    return _gemm(kind, xq, xs, weight, weight_scale_inv, block_n, block_k, x.dtype)
+
+
+def fp8_quantize_activations(x, group: int, pow2: bool):
+    """Provider of ``cpgraph::fp8_quantize_activations``: the Triton quantiser, scales column-major."""
+    return quantize_activations(x, group, pow2, scales_column_major=True)
+
+
+def fp8_linear_quantized(xq, x_scales, weight, weight_scale_inv, block_n: int, block_k: int, out_dtype):
+    """Provider of ``cpgraph::fp8_linear_quantized``: the GEMM ``fp8_block_linear`` would run on these operands."""
+    check_fp8_linear_quantized(xq, x_scales, weight, weight_scale_inv, block_n, block_k, out_dtype)
+    kind = choose_gemm(QUANTIZED_OP, xq, weight, block_n, block_k, out_dtype)
+    return _gemm(kind, xq, x_scales, weight, weight_scale_inv, block_n, block_k, out_dtype)
 
 
 __all__ = [
@@ -392,7 +431,10 @@ __all__ = [
     "quantize_group",
     "store_e4m3",
     "block_scaled_gemm",
+    "choose_gemm",
     "fp8_block_linear",
+    "fp8_linear_quantized",
+    "fp8_quantize_activations",
     "quantize_activations",
     "scaled_mm_available",
     "scaled_mm_gemm",

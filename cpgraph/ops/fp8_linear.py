@@ -46,6 +46,8 @@ from .providers import select
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 OP = "fp8_block_linear"
+QUANT_OP = "fp8_quantize_activations"
+QUANTIZED_OP = "fp8_linear_quantized"
 
 
 def ceil_div(a, b):
@@ -111,10 +113,25 @@ def dequantize_weight(weight: Tensor, weight_scale_inv: Tensor, block_n: int, bl
 def fp8_block_linear_reference(x, weight, weight_scale_inv, block_n, block_k, act_scale_pow2):
     """Dequantise both operands to fp32 and multiply (the definition, summed by torch's fp32 GEMM)."""
     q, scales = quantize_activations(x, block_k, act_scale_pow2)
-    m, k = x.shape
-    x_deq = q.to(torch.float32) * scales.repeat_interleave(block_k, dim=1)[:, :k]
+    return fp8_linear_quantized_reference(q, scales, weight, weight_scale_inv, block_n, block_k, x.dtype)
+
+
+def fp8_linear_quantized_reference(xq, x_scales, weight, weight_scale_inv, block_n, block_k, out_dtype):
+    """The GEMM half of the definition: codes times their scales, in fp32, to ``out_dtype``."""
+    k = xq.shape[1]
+    x_deq = xq.to(torch.float32) * x_scales.to(torch.float32).repeat_interleave(block_k, dim=1)[:, :k]
     w_deq = dequantize_weight(weight, weight_scale_inv, block_n, block_k)
-    return (x_deq @ w_deq.t()).to(x.dtype)
+    return (x_deq @ w_deq.t()).to(out_dtype)
+
+
+def column_major(scales: Tensor) -> Tensor:
+    """``[M, G]`` with strides ``(1, M)``: the scale layout the SM90 FP8 GEMMs read without a transpose."""
+    return scales.t().contiguous().t()
+
+
+def quantize_activations_reference(x, group, pow2):
+    q, scales = quantize_activations(x, group, pow2)
+    return q.contiguous(), column_major(scales)
 
 
 # --------------------------------------------------------------------- op
@@ -138,3 +155,66 @@ def fp8_block_linear(
 def _fp8_block_linear_fake(x, weight, weight_scale_inv, block_n, block_k, act_scale_pow2):
     check_fp8_block_linear(x, weight, weight_scale_inv, block_n, block_k)
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+# ------------------------------------------------ the same function in two ops
+# ``fp8_block_linear`` = ``fp8_linear_quantized(*fp8_quantize_activations(x))``, bit for bit in the codes and
+# scales.  Why two more ops: several projections read the same activation (V3.2's q_a, kv_a and the
+# indexer's wk; an MLP's gate and up), and quantising it once for all of them saves a full read of it per
+# extra projection (the pass ``share_activation_quantization``; docs/ops/fp8_linear.md).
+def check_quantize_activations(x, group) -> None:
+    _check_block("group", group)
+    check_tensor(QUANT_OP, "x", x, dtype=FLOATS, ndim=2)
+
+
+@torch.library.custom_op("cpgraph::fp8_quantize_activations", mutates_args=())
+def fp8_quantize_activations(x: Tensor, group: int, pow2: bool) -> tuple[Tensor, Tensor]:
+    """``x [M, K]`` -> ``(e4m3 [M, K], fp32 scales [M, ceil(K / group)])`` by ``fp8_block_linear``'s recipe.
+
+    The scales are laid out column-major (strides ``(1, M)``), the layout the SM90 GEMMs read.
+    """
+    check_quantize_activations(x, group)
+    impl = select(QUANT_OP, x.device.type, quantize_activations_reference)
+    return impl(x, group, pow2)
+
+
+@fp8_quantize_activations.register_fake
+def _fp8_quantize_activations_fake(x, group, pow2):
+    check_quantize_activations(x, group)
+    m, k = x.shape
+    return x.new_empty((m, k), dtype=FP8), x.new_empty((ceil_div(k, group), m), dtype=torch.float32).t()
+
+
+def check_fp8_linear_quantized(xq, x_scales, weight, weight_scale_inv, block_n, block_k, out_dtype) -> None:
+    _check_block("block_n", block_n)
+    _check_block("block_k", block_k)
+    if out_dtype not in FLOATS:
+        raise ValueError(f"cpgraph.{QUANTIZED_OP}: argument 'out_dtype' must be one of {FLOATS}, got {out_dtype}")
+    check_tensor(QUANTIZED_OP, "xq", xq, dtype=FP8, ndim=2)
+    m, k = xq.shape
+    check_tensor(QUANTIZED_OP, "x_scales", x_scales, dtype=torch.float32, shape=(m, ceil_div(k, block_k)))
+    check_tensor(QUANTIZED_OP, "weight", weight, dtype=FP8, ndim=2, shape=(None, k))
+    n = weight.shape[0]
+    check_tensor(QUANTIZED_OP, "weight_scale_inv", weight_scale_inv, dtype=torch.float32,
+                 shape=(ceil_div(n, block_n), ceil_div(k, block_k)))
+    check_same_device(QUANTIZED_OP, xq=xq, x_scales=x_scales, weight=weight, weight_scale_inv=weight_scale_inv)
+
+
+@torch.library.custom_op("cpgraph::fp8_linear_quantized", mutates_args=())
+def fp8_linear_quantized(
+    xq: Tensor, x_scales: Tensor, weight: Tensor, weight_scale_inv: Tensor, block_n: int, block_k: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``fp8_block_linear`` on activations already quantised (``fp8_quantize_activations``); ``[M, N]`` ``out_dtype``.
+
+    ``x_scales`` may have any strides; the SM90 GEMMs read column-major ones without a copy.
+    """
+    check_fp8_linear_quantized(xq, x_scales, weight, weight_scale_inv, block_n, block_k, out_dtype)
+    impl = select(QUANTIZED_OP, xq.device.type, fp8_linear_quantized_reference)
+    return impl(xq, x_scales, weight, weight_scale_inv, block_n, block_k, out_dtype)
+
+
+@fp8_linear_quantized.register_fake
+def _fp8_linear_quantized_fake(xq, x_scales, weight, weight_scale_inv, block_n, block_k, out_dtype):
+    check_fp8_linear_quantized(xq, x_scales, weight, weight_scale_inv, block_n, block_k, out_dtype)
+    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)

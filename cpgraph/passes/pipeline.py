@@ -1,6 +1,6 @@
 """The default pass pipeline, in order.
 
-Rewrite passes (what CP needs), then lowering (expose collectives to
+Rewrite passes (what CP needs, then one that shares work between FP8 projections), then lowering (expose collectives to
 Inductor), then cleanup, then lint.  Kept as data so a user can see,
 reorder or disable passes by name (``CPConfig.disabled_passes``).
 """
@@ -15,6 +15,7 @@ from .invariant_kernels import use_invariant_kernels
 from .kv_in_place import read_kv_in_place
 from .lint import reject_host_syncs
 from .lower_collectives import lower_cp_collectives
+from .share_quant import share_activation_quantization
 from .shard_kv import materialize_kv_by_owner
 
 
@@ -26,6 +27,7 @@ def default_passes():
         ("compact_moe_rows", compact_moe_rows),
         ("gather_output_rows", gather_output_rows),
         ("use_invariant_kernels", use_invariant_kernels),  # only with CPConfig(deterministic=True)
+        ("share_activation_quantization", share_activation_quantization),  # FP8 projections reading one x
         ("lower_cp_collectives", lower_cp_collectives),
         ("eliminate_dead_code", eliminate_dead_code),
         ("sort_topologically", sort_topologically),

@@ -461,3 +461,32 @@ def test_expert_parallel_pass_keeps_the_fp8_experts_scales(ds_checkpoint):
     assert len(calls) == moe_layers
     for kw in calls:
         assert {"gate_up_scale", "down_scale", "block_n", "block_k"} <= set(kw), kw
+
+
+
+@pytest.mark.slow
+def test_projections_reading_one_input_share_its_quantisation(ds_checkpoint):
+    """``share_activation_quantization`` on the whole FP8 model: q_a, kv_a and the indexer's wk share the normed
+    hidden state's codes, q_b and the indexer's wq_b the query latent's, an MLP's gate and up theirs; o_proj and
+    down keep their own.  The logits are bit-equal to the same compile without the pass (the codes are a function
+    of the input alone and the GEMM half is the same function: equal by construction)."""
+    from test_compile import _inputs
+
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.passes import CPConfig, compile
+
+    root, _, d = ds_checkpoint
+    model = from_pretrained(root, dtype=torch.float32, weights="fp8")
+    model.kv_layout = make_layout(model, "bf16", 16)
+    logits, deltas = [], []
+    for disabled in ((), ("share_activation_quantization",)):
+        torch._dynamo.reset()
+        fn = compile(model, CPConfig(disabled_passes=disabled), backend="aot_eager")
+        logits.append(fn(*_inputs(model, model.kv_layout, [21, 6])).logits)
+        deltas += [{k: a[k] - b[k] for k in set(a) | set(b) if a[k] != b[k]}
+                   for name, b, a in fn.cpgraph_passes.history if name == "share_activation_quantization"]
+    torch._dynamo.reset()
+    assert torch.equal(logits[0], logits[1])
+    layers = d["num_hidden_layers"]
+    assert deltas == [{"cpgraph.fp8_block_linear": -7 * layers, "cpgraph.fp8_quantize_activations": 3 * layers,
+                       "cpgraph.fp8_linear_quantized": 7 * layers}]
