@@ -119,7 +119,8 @@ forward)
     step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
         --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --json "$OUT/production_32k.json"
     # The dense FP8 linears' target at M = 4096 (and 32768 beside it), DeepGEMM's kernels and the fused SwiGLU
-    step fp8_gpu_tests python3 -m pytest -q -m gpu tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \
+    # (their GPU tests are gated by needs_gpu, not the gpu marker: the whole files, CPU cases included)
+    step fp8_gpu_tests python3 -m pytest -q tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \
         -p no:cacheprovider
     # Device time (CUDA-graph replays: eager calls add ~60 us of host time at 4096 rows)
     step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph --check \
@@ -133,6 +134,12 @@ serve)
     step serve_bench_production python3 benchmarks/serve_bench.py --device cuda --model production \
         --backend inductor --cuda-graphs --page 64 --num-pages 4096 --token-budget 4096 --requests 64 --idle 8 \
         --rates 0.8 --out "$OUT/serve_production.json"
+    # The idle overhead on this host under each event loop (uvloop is carried in .whl; docs/serve.md)
+    for loop in asyncio uvloop; do
+        step serve_idle_$loop python3 benchmarks/serve_bench.py --device cuda --model production --backend inductor \
+            --cuda-graphs --page 64 --num-pages 4096 --token-budget 4096 --requests 64 --idle 40 --idle-only \
+            --event-loop $loop --out "$OUT/serve_idle_$loop.json"
+    done
     ;;
 cp2)
     install_wheels
