@@ -108,7 +108,7 @@ selection)
         --tuning-out "$OUT/score_tuning.json"
     step indexer_gpu_tests python3 -m pytest -q -m gpu tests/kernels/test_indexer_kernels.py -p no:cacheprovider
     step sass_loops python3 benchmarks/sass_loops.py
-    [ -n "${DG_PID:-}" ] && { wait "$DG_PID"; echo "DeepGEMM build: exit $?"; tail -n 5 "$OUT/deep_gemm_build.log"; }
+    if [ -n "${DG_PID:-}" ]; then wait "$DG_PID"; echo "DeepGEMM build: exit $?"; tail -n 5 "$OUT/deep_gemm_build.log"; fi
     ;;
 forward)
     install_wheels
@@ -134,12 +134,6 @@ serve)
     step serve_bench_production python3 benchmarks/serve_bench.py --device cuda --model production \
         --backend inductor --cuda-graphs --page 64 --num-pages 4096 --token-budget 4096 --requests 64 --idle 8 \
         --rates 0.8 --out "$OUT/serve_production.json"
-    # The idle overhead on this host under each event loop (uvloop is carried in .whl; docs/serve.md)
-    for loop in asyncio uvloop; do
-        step serve_idle_$loop python3 benchmarks/serve_bench.py --device cuda --model production --backend inductor \
-            --cuda-graphs --page 64 --num-pages 4096 --token-budget 4096 --requests 64 --idle 40 --idle-only \
-            --event-loop $loop --out "$OUT/serve_idle_$loop.json"
-    done
     ;;
 cp2)
     install_wheels
