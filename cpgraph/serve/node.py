@@ -255,7 +255,10 @@ def _server(engine, spec: ServeSpec, port: int, transfer_info=None, forward=None
 
 
 def _announce(url: str) -> None:
-    print(f"cpgraph serve: listening on {url}", file=sys.stderr, flush=True)
+    # One write of the whole line: the ranks of a torchrun job share one stderr pipe, and print()'s separate
+    # write of the newline let another rank's line land in between (a reader then saw two addresses on one line).
+    sys.stderr.write(f"cpgraph serve: listening on {url}\n")
+    sys.stderr.flush()
 
 
 def serve_single(spec: ServeSpec) -> int:

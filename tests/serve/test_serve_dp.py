@@ -86,8 +86,7 @@ def test_two_dp_replicas_serve_on_their_own_ports_and_drain_on_sigterm():
             if not line:
                 break
             lines.append(line)
-            m = re.search(r"listening on (http://127\.0\.0\.1:(\d+)) \(CP group (\d+)", line)
-            if m:
+            for m in re.finditer(r"listening on (http://127\.0\.0\.1:(\d+)) \(CP group (\d+)", line):
                 urls[int(m.group(3))] = (m.group(1), int(m.group(2)))
         assert sorted(urls) == [0, 1], "".join(lines)
         assert [urls[g][1] for g in (0, 1)] == [base, base + 1]  # group g on --port + g
