@@ -80,7 +80,9 @@ def _same_values(x: fx.Node):
     while is_op(base, *_VIEWS) and isinstance(base.args[0], fx.Node):
         base = base.args[0]
     val = tensor_val(x)
-    return (base, None) if base is x or val is None else (base, str(tuple(val.shape)), str(val.stride()))
+    if base is x or val is None:  # no view, or one whose shape is unknown: only the node itself matches
+        return (x, None)
+    return (base, str(tuple(val.shape)), str(val.stride()))
 
 
 def _args(node: fx.Node) -> tuple:
