@@ -45,7 +45,13 @@ import triton
 import triton.language as tl
 
 from cpgraph.ops import ledger
-from cpgraph.ops.fp8_linear import QUANTIZED_OP, ceil_div, check_fp8_block_linear, check_fp8_linear_quantized
+from cpgraph.ops.fp8_linear import (
+    QUANTIZED_OP,
+    ceil_div,
+    check_fp8_block_linear,
+    check_fp8_linear_quantized,
+    column_major,
+)
 
 from . import deep_gemm_lib
 from ._bits import KIND_BF16, KIND_F16, KIND_F32, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
@@ -312,7 +318,7 @@ def _deep_gemm_reason(x) -> str | None:
     return deep_gemm_lib.machine_reason(x)
 
 
-def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int, act_dtype=None) -> bool:
+def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int, act_dtype) -> bool:
     """Whether this call runs DeepGEMM: ``auto`` and ``deep_gemm`` where the machine and the operands take it.
 
     ``auto`` prefers it over ``scaled_mm`` (H200, V3.2's projections at 32K rows: 1.12-1.19x
@@ -327,7 +333,7 @@ def _deep_gemm_applies(choice: str, x, w, block_n: int, block_k: int, act_dtype=
         if choice == "deep_gemm":
             raise ValueError(f"cpgraph.fp8_block_linear: {BACKEND_ENV}=deep_gemm but {machine}")
         return False
-    return deep_gemm_operand_reason(act_dtype or x.dtype, w, block_n, block_k) is None
+    return deep_gemm_operand_reason(act_dtype, w, block_n, block_k) is None
 
 
 def deep_gemm_operand_reason(act_dtype, w, block_n: int, block_k: int) -> str | None:
@@ -389,15 +395,10 @@ def choose_gemm(op: str, x, w, block_n: int, block_k: int, act_dtype) -> str:
 
 def _gemm(kind: str, xq, xs, w, ws, block_n: int, block_k: int, out_dtype):
     if kind == "deep_gemm":
-        return deep_gemm_linear(xq, _column_major(xs), w, ws, out_dtype)
+        return deep_gemm_linear(xq, column_major(xs), w, ws, out_dtype)
     if kind == "scaled_mm":
-        return scaled_mm_gemm(xq, _column_major(xs), w, ws, out_dtype)
+        return scaled_mm_gemm(xq, column_major(xs), w, ws, out_dtype)
     return block_scaled_gemm(xq, xs, w, ws, block_n, block_k, out_dtype)
-
-
-def _column_major(xs):
-    m = xs.shape[0]
-    return xs if xs.stride() == (1, m) or m <= 1 else xs.t().contiguous().t()
 
 
 def fp8_block_linear(x, weight, weight_scale_inv, block_n: int, block_k: int, act_scale_pow2: bool):

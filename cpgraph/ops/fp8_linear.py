@@ -125,8 +125,12 @@ def fp8_linear_quantized_reference(xq, x_scales, weight, weight_scale_inv, block
 
 
 def column_major(scales: Tensor) -> Tensor:
-    """``[M, G]`` with strides ``(1, M)``: the scale layout the SM90 FP8 GEMMs read without a transpose."""
-    return scales.t().contiguous().t()
+    """``[M, G]`` with strides ``(1, M)``: the scale layout the SM90 FP8 GEMMs read without a transpose.
+
+    Already so laid out (or one row, where the layouts coincide): returned as it is, no copy.
+    """
+    m = scales.shape[0]
+    return scales if scales.stride() == (1, m) or m <= 1 else scales.t().contiguous().t()
 
 
 def quantize_activations_reference(x, group, pow2):

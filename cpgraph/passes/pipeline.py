@@ -1,7 +1,8 @@
 """The default pass pipeline, in order.
 
-Rewrite passes (what CP needs, then one that shares work between FP8 projections), then lowering (expose collectives to
-Inductor), then cleanup, then lint.  Kept as data so a user can see,
+Rewrite passes (what CP needs, then one that shares work between FP8
+projections), then lowering (expose collectives to Inductor), then cleanup,
+then lint.  Kept as data so a user can see,
 reorder or disable passes by name (``CPConfig.disabled_passes``).
 """
 
