@@ -92,7 +92,9 @@ def quantize_group(v, ok, POW2: tl.constexpr):
     holding a NaN or infinity; shared by every kernel that quantises
     activations so they all produce the reference's codes.
     """
-    amax = tl.max(tl.where(ok, tl.abs(v), 0.0), axis=1)
+    mag = tl.abs(v)
+    mag = tl.where(mag == mag, mag, float("inf"))  # tl.max drops NaN (fmax): count a NaN as an infinity
+    amax = tl.max(tl.where(ok, mag, 0.0), axis=1)
     finite = amax <= 3.4028234663852886e38  # NaN / inf in the group -> NaN scale
     if POW2:
         # x / 2**e and x * 2**-e are the same exactly rounded value (2**-e is a normal fp32 for every

@@ -187,12 +187,16 @@ def test_kernel_quantisation_is_bit_exact(dtype, pow2):
     x, _, _ = make_inputs(M=9, K=200, dtype=dtype, device=dev)
     x[3, 7] = 0.0
     x[4] = 0.0  # all-zero row: the 1e-4 floor
+    x[5, 130] = float("nan")  # a NaN or an infinity makes its group's scale NaN
+    x[6, 2] = float("-inf")
     q, s = quantize_activations(x.cpu(), 128, pow2)
     kq_, ks = kq(x, 128, pow2)
+    assert torch.isnan(s[5, 1]) and torch.isnan(s[6, 0]) and torch.isfinite(s[5, 0])
     assert torch.equal(kq_.cpu().view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(ks.cpu(), s)
+    assert torch.allclose(ks.cpu(), s, rtol=0, atol=0, equal_nan=True)  # bit-equal, NaN where NaN
     qc, sc = kq(x, 128, pow2, scales_column_major=True)
-    assert sc.stride() == (1, 9) and torch.equal(sc.cpu(), s) and torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8))
+    assert sc.stride() == (1, 9) and torch.allclose(sc.cpu(), s, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8))
 
 
 @needs_kernels
