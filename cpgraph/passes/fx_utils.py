@@ -123,13 +123,11 @@ def normalized_graph(graph: fx.Graph, keep: Iterable[str] | None = None) -> str:
             continue
         op = op_of(n)
         if op is None:
-            if n.op == "call_function" and n.target.__name__ == "getitem":
-                src = n.args[0]
-                if src in names:
-                    names[n] = f"{names[src]}[{n.args[1]}]"
             continue
         name = op_name(op)
         if keep is not None and not name.startswith(keep):
+            if op is operator.getitem and n.args[0] in names:  # an output of a shown multi-output op
+                names[n] = f"{names[n.args[0]]}[{n.args[1]}]"
             continue
         names[n] = f"v{n_v}"
         n_v += 1
