@@ -29,7 +29,10 @@ rows first.
 
 Then, per group of projections that read one input (``--groups``): the bf16 GEMMs, FP8 with a quantisation
 per projection, and FP8 with one shared quantisation (what the compiled forward runs after the
-``share_activation_quantization`` pass), with their ratios to bf16.
+``share_activation_quantization`` pass), with their ratios to bf16.  Groups whose input a norm produces in the
+forward are also timed with that norm (and its residual add) in front: bf16 after Inductor's add + norm kernel,
+FP8 quantised after that kernel, and FP8 quantised inside the norm (``fp8_rms_norm_quantize``, what the forward
+runs after ``fuse_norm_into_quantization``), with their ratios to the first.
 """
 
 from __future__ import annotations
@@ -59,7 +62,13 @@ GROUPS = {
     "attn_input": (7168, [("q_a", 1536), ("kv_a", 576), ("wk", 128)]),
     "q_latent": (1536, [("q_b", 128 * 192), ("wq_b", 64 * 128)]),
     "shared_expert": (7168, [("gate", 2048), ("up", 2048)]),
+    "dense_mlp": (7168, [("gate", 18432), ("up", 18432)]),
 }
+# The norm that produces each group's input in the forward, as (residual add before it, its bf16 rows read by
+# another layer too): the input norm (x + mlp; the indexer's fp32 weights_proj reads it), the query latent's norm,
+# a dense layer's post-attention norm (x + attn).  The fuse_norm_into_quantization pass quantises inside these; a
+# MoE layer's shared expert reads compacted rows, so its group has none.
+GROUP_NORMS = {"attn_input": (True, True), "q_latent": (False, False), "dense_mlp": (True, False)}
 ROWS = (256, 1024, 4096, 8192, 16384, 32768)
 # Triton tile variants for --sweep: (BM, BN, num_warps, num_stages).
 SWEEP = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 128, 4, 4), (64, 128, 4, 3),
@@ -240,17 +249,61 @@ def time_group(name: str, M: int, pow2: bool, check: bool) -> list[dict]:
     times = {"bf16": time_ms(bf16), "fp8, a quantisation each": time_ms(separate),
              "fp8, one quantisation": time_ms(shared)}
     quant_ms = time_ms(lambda: ops.fp8_quantize_activations(x, 128, pow2))
+    baseline = {impl: "bf16" for impl in times}
+    if name in GROUP_NORMS:  # the same with the norm producing x: what the forward runs before and after fusing
+        times.update(time_with_norm(x, weights, K, M, pow2, *GROUP_NORMS[name], check))
+        baseline.update({impl: "bf16 + norm" for impl in times if "norm" in impl})
     label = "+".join(p for p, _ in projs)
     rows = []
     for impl, ms in times.items():
-        print(f"{label:>15} {M:>6} {impl:>22} {ms:8.3f} {flops / ms / 1e9:8.1f} {times['bf16'] / ms:7.2f} "
+        base = times[baseline[impl]]
+        print(f"{label:>15} {M:>6} {impl:>30} {ms:8.3f} {flops / ms / 1e9:8.1f} {base / ms:7.2f} "
               f"{quant_ms if impl != 'bf16' else float('nan'):8.3f}")
         rows.append({"shape": name, "projections": [p for p, _ in projs], "K": K, "M": M, "impl": impl, "ms": ms,
-                     "tflops": flops / ms / 1e9, "x_bf16": times["bf16"] / ms, "quant_ms": quant_ms})
+                     "tflops": flops / ms / 1e9, "x_bf16": base / ms, "baseline": baseline[impl],
+                     "quant_ms": quant_ms})
     sys.stdout.flush()
     del cases, weights, x
     torch.cuda.empty_cache()
     return rows
+
+
+def time_with_norm(x, weights, K: int, M: int, pow2: bool, residual: bool, emit: bool, check: bool) -> dict:
+    """The group with the RMSNorm (and residual add) that produces its input, three ways: bf16 GEMMs after
+    Inductor's add + norm kernel (the bf16 forward), FP8 with one quantisation after that kernel (before
+    ``fuse_norm_into_quantization``), and FP8 quantised inside the norm (``fp8_rms_norm_quantize``, after it)."""
+    import torch.nn.functional as F
+
+    ops = torch.ops.cpgraph
+    g = torch.Generator(device="cuda").manual_seed(7)
+    res = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16) if residual else None
+    w_norm = (torch.rand(K, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+
+    @torch.compile(dynamic=False)
+    def inductor_norm(x, res, w_norm):
+        s = x + res if res is not None else x
+        return s, F.rms_norm(s, (K,), w_norm, 1e-6)
+
+    def bf16():
+        s, h = inductor_norm(x, res, w_norm)
+        return [h @ wb.t() for _, _, wb in weights]
+
+    def quant_after_norm():
+        s, h = inductor_norm(x, res, w_norm)
+        q, sc = ops.fp8_quantize_activations(h, 128, pow2)
+        return [ops.fp8_linear_quantized(q, sc, w, ws, 128, 128, torch.bfloat16) for w, ws, _ in weights]
+
+    def quant_in_norm():
+        _s, _h, q, sc = ops.fp8_rms_norm_quantize(x, res, w_norm, 1e-6, 128, pow2, emit)
+        return [ops.fp8_linear_quantized(q, sc, w, ws, 128, 128, torch.bfloat16) for w, ws, _ in weights]
+
+    if check:  # within an FP8 step: the two norms may differ in a value's last bit, moving a code by one step
+        for a, b in zip(quant_after_norm(), quant_in_norm()):
+            err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+            if err > 2**-3:
+                raise SystemExit(f"fp8_linear_bench: M={M}: quantising in the norm is {err:.3g} off the unfused result")
+    return {"bf16 + norm": time_ms(bf16), "fp8 + norm, quantised after it": time_ms(quant_after_norm),
+            "fp8, quantised in the norm": time_ms(quant_in_norm)}
 
 
 def write_json(path, rows, pow2, kernel) -> None:

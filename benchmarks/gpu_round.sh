@@ -121,6 +121,7 @@ forward)
     # The dense FP8 linears' target at M = 4096 (and 32768 beside it), DeepGEMM's kernels and the fused SwiGLU
     # (their GPU tests are gated by needs_gpu, not the gpu marker: the whole files, CPU cases included)
     step fp8_gpu_tests python3 -m pytest -q tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \
+        tests/ops/test_norm_quant.py tests/passes/test_fuse_norm_quant.py \
         -p no:cacheprovider
     # Device time (CUDA-graph replays: eager calls add ~60 us of host time at 4096 rows)
     step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph --check \

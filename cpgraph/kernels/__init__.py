@@ -47,6 +47,7 @@ def providers() -> dict:
     from . import moe
     from . import indexer
     from . import fp8_linear
+    from . import norm_quant
     from . import mla_query
     from . import index_quant
     from . import invariant_gemm
@@ -71,6 +72,7 @@ def providers() -> dict:
         "fp8_block_linear": fp8_linear.fp8_block_linear,
         "fp8_quantize_activations": fp8_linear.fp8_quantize_activations,
         "fp8_linear_quantized": fp8_linear.fp8_linear_quantized,
+        "fp8_rms_norm_quantize": norm_quant.rms_norm_quantize,
         "mla_query": mla_query.mla_query,
         "hadamard": index_quant.hadamard,
         "index_k_quant": index_quant.index_k_quant,

@@ -1,7 +1,7 @@
 """The default pass pipeline, in order.
 
-Rewrite passes (what CP needs, then one that shares work between FP8
-projections), then lowering (expose collectives to Inductor), then cleanup,
+Rewrite passes (what CP needs, then two that share work between FP8
+projections and the norms feeding them), then lowering (expose collectives to Inductor), then cleanup,
 then lint.  Kept as data so a user can see,
 reorder or disable passes by name (``CPConfig.disabled_passes``).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .cleanup import eliminate_dead_code, sort_topologically
 from .compact_moe import compact_moe_rows
+from .fuse_norm_quant import fuse_norm_into_quantization
 from .gather_outputs import gather_output_rows
 from .index_cache import reuse_shared_topk
 from .invariant_kernels import use_invariant_kernels
@@ -29,6 +30,7 @@ def default_passes():
         ("gather_output_rows", gather_output_rows),
         ("use_invariant_kernels", use_invariant_kernels),  # only with CPConfig(deterministic=True)
         ("share_activation_quantization", share_activation_quantization),  # FP8 projections reading one x
+        ("fuse_norm_into_quantization", fuse_norm_into_quantization),  # ... quantised by the norm producing x
         ("lower_cp_collectives", lower_cp_collectives),
         ("eliminate_dead_code", eliminate_dead_code),
         ("sort_topologically", sort_topologically),

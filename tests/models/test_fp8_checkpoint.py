@@ -490,3 +490,31 @@ def test_projections_reading_one_input_share_its_quantisation(ds_checkpoint):
     layers = d["num_hidden_layers"]
     assert deltas == [{"cpgraph.fp8_block_linear": -7 * layers, "cpgraph.fp8_quantize_activations": 3 * layers,
                        "cpgraph.fp8_linear_quantized": 7 * layers}]
+
+
+@pytest.mark.slow
+def test_norms_quantise_for_the_projections_they_feed(ds_checkpoint):
+    """``fuse_norm_into_quantization`` on the whole FP8 model: the input norm (with the residual add of every layer
+    but the first) and the query latent's norm of each layer quantise for their projections, and a dense layer's
+    post-attention norm for gate / up; a MoE layer's experts read compacted rows, so their quantisation stays.  The
+    logits stay within an FP8 step of the same compile without the pass (tests/passes/test_fuse_norm_quant.py)."""
+    from test_compile import _inputs
+
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.passes import CPConfig, compile
+
+    root, _, d = ds_checkpoint
+    model = from_pretrained(root, dtype=torch.float32, weights="fp8")
+    model.kv_layout = make_layout(model, "bf16", 16)
+    logits, deltas = [], []
+    for disabled in ((), ("fuse_norm_into_quantization",)):
+        torch._dynamo.reset()
+        fn = compile(model, CPConfig(disabled_passes=disabled), backend="aot_eager")
+        logits.append(fn(*_inputs(model, model.kv_layout, [21, 6])).logits)
+        deltas += [{k: a[k] - b[k] for k in set(a) | set(b) if a[k] != b[k] and k.startswith("cpgraph.")}
+                   for name, b, a in fn.cpgraph_passes.history if name == "fuse_norm_into_quantization"]
+    torch._dynamo.reset()
+    assert rel_err(logits[0], logits[1]) <= 2**-6
+    layers, dense = d["num_hidden_layers"], d["first_k_dense_replace"]
+    fused = 2 * layers + dense
+    assert deltas == [{"cpgraph.fp8_quantize_activations": -fused, "cpgraph.fp8_rms_norm_quantize": fused}]

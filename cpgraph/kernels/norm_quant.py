@@ -1,0 +1,160 @@
+"""CUDA provider of ``cpgraph::fp8_rms_norm_quantize``: residual add, RMSNorm and FP8 codes in one pass.
+
+One program per row, two sweeps over the row in tiles of ``TG`` quantisation
+groups (``TG * group`` values):
+
+1. add the residual (rounded to the activation dtype, written out as
+   ``summed``) and accumulate the fp32 squares;
+2. re-read the row (from L2: a 7168-wide bf16 row pair is 28 KB), scale by
+   ``rsqrt(mean + eps)`` and the weight, round to the activation dtype
+   (written out as ``normed`` when asked), and quantise each group with
+   :func:`~cpgraph.kernels.fp8_linear.quantize_group`, the quantiser every
+   FP8 kernel here shares, so the codes are exactly those of the rounded
+   row (the op's contract).
+
+Why not one sweep with the row held in registers: the row width is the
+model's (7168 for V3.2, 6144 for GLM-5, anything for a user's model); two
+sweeps work for every width with the same registers, and the second reads
+from L2, not HBM.  Only a row's own values enter its sum (in a fixed tile
+order), so a row's result does not depend on the batch: CP ranks and a
+single device compute identical rows.  No host sync; static shapes (CUDA
+graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cpgraph.ops.fp8_linear import ceil_div
+from cpgraph.ops.norm_quant import check_rms_norm_quantize
+
+from ._bits import KIND_BF16, KIND_F16, KIND_F32, bf16_bits, load_f32, store_f32_as
+from ._launch import interpreting
+from .fp8_linear import quantize_group, store_e4m3
+
+_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
+
+
+@triton.jit
+def _round_to(v, KIND: tl.constexpr):
+    """fp32 -> the activation dtype -> fp32 (round to nearest even), bit-level for bf16 as the codecs do."""
+    if KIND == 1:
+        return (bf16_bits(v).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif KIND == 2:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _row_tile(x, res, row_x, row_r, cols, ok, KIND: tl.constexpr, HAS_RES: tl.constexpr):
+    """``s`` of one tile: ``x`` (+ the residual, rounded to the activation dtype)."""
+    s = load_f32(x + row_x + cols, ok, KIND)
+    if HAS_RES:
+        s = _round_to(s + load_f32(res + row_r + cols, ok, KIND), KIND)
+    return s
+
+
+@triton.jit
+def _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K,
+                  GROUP: tl.constexpr, KIND: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """Sweep 1 on one tile: ``s`` (written out as ``summed`` with a residual), its squares added to ``acc``."""
+    cols = (g0 + gi)[:, None] * GROUP + ci[None, :]
+    ok = (ci[None, :] < GROUP) & (cols < K)  # a group past the last starts at >= K: masked too
+    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
+    if HAS_RES:
+        store_f32_as(summed + row_o + cols, s, ok, KIND)
+    return acc + s * s
+
+
+@triton.jit
+def _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+                   GROUP: tl.constexpr, POW2: tl.constexpr, KIND: tl.constexpr, W_KIND: tl.constexpr,
+                   HAS_RES: tl.constexpr, EMIT_NORMED: tl.constexpr, HW_CAST: tl.constexpr):  # fmt: skip
+    """Sweep 2 on one tile: the normed values rounded to the activation dtype, then their codes and scales."""
+    g = g0 + gi
+    cols = g[:, None] * GROUP + ci[None, :]
+    ok = (ci[None, :] < GROUP) & (cols < K)
+    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
+    h = _round_to((s * rstd) * load_f32(w + cols, ok, W_KIND), KIND)
+    if EMIT_NORMED:
+        store_f32_as(normed + row_o + cols, h, ok, KIND)
+    y, sc = quantize_group(h, ok, POW2)
+    store_e4m3(q + row_o + cols, y, ok, HW_CAST)
+    tl.store(scales + row + g.to(tl.int64) * M, sc, mask=g < G)  # column-major [M, G]
+
+
+@triton.jit
+def _rms_norm_quantize_kernel(
+    x, res, w, summed, normed, q, scales, M, K, K_F, G, stride_x, stride_r, eps,
+    GROUP: tl.constexpr, GP: tl.constexpr, TG: tl.constexpr, POW2: tl.constexpr, KIND: tl.constexpr,
+    W_KIND: tl.constexpr, HAS_RES: tl.constexpr, EMIT_NORMED: tl.constexpr, HW_CAST: tl.constexpr,
+    LOOP_WHILE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    gi = tl.arange(0, TG)
+    ci = tl.arange(0, GP)
+    row_x = row * stride_x
+    row_r = row * stride_r
+    row_o = row * K
+    acc = tl.zeros([TG, GP], dtype=tl.float32)
+    if LOOP_WHILE:  # the interpreter cannot take a runtime bound in range()
+        g0 = 0
+        while g0 < G:
+            acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES)
+            g0 += TG
+    else:
+        for g0 in range(0, G, TG):
+            acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES)
+    mean = tl.math.div_rn(tl.sum(tl.sum(acc, axis=1), axis=0), K_F)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
+    if LOOP_WHILE:
+        g0 = 0
+        while g0 < G:
+            _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+                           GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
+            g0 += TG
+    else:
+        for g0 in range(0, G, TG):
+            _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+                           GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors go to the kernel as their int16 bit patterns (the interpreter has no bf16)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, emit_normed: bool):
+    """Provider: the op's ``(summed, normed, q, scales)`` from one kernel launch (module docstring)."""
+    check_rms_norm_quantize(x, residual, weight, eps, group)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    weight = weight.contiguous()
+    m, k = x.shape
+    groups = ceil_div(k, group)
+    summed = torch.empty((m if residual is not None else 0, k), dtype=x.dtype, device=x.device)
+    normed = torch.empty((m if emit_normed else 0, k), dtype=x.dtype, device=x.device)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    if m == 0:
+        return summed, normed, q, scales
+    hw = not interpreting()
+    gp = triton.next_power_of_2(group)
+    tile_groups = max(1, min(triton.next_power_of_2(groups), 2048 // gp))
+    res = residual if residual is not None else x
+    _rms_norm_quantize_kernel[(m,)](
+        _bits(x), _bits(res), _bits(weight), _bits(summed if residual is not None else x),
+        _bits(normed if emit_normed else x), q if hw else q.view(torch.uint8), scales,
+        m, k, float(k), groups, x.stride(0), res.stride(0), float(eps),
+        GROUP=group, GP=gp, TG=tile_groups, POW2=bool(pow2), KIND=_KINDS[x.dtype], W_KIND=_KINDS[weight.dtype],
+        HAS_RES=residual is not None, EMIT_NORMED=bool(emit_normed), HW_CAST=hw, LOOP_WHILE=not hw, num_warps=4,
+    )  # fmt: skip
+    return summed, normed, q, scales
+
+
+__all__ = ["rms_norm_quantize"]
