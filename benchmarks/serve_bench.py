@@ -35,7 +35,8 @@ main thread.  Phases, each starting from an empty cache:
    ``a + b * tokens`` from the fastest of three direct forwards at each of four prompt lengths (a busy
    machine only ever slows a forward down), and the same trace and Poisson arrivals (at 0.8 of the modelled saturation)
    are replayed through the real :class:`~cpgraph.runtime.scheduler.Scheduler` under that cost, and
-   through an ideal FIFO server (no steps, no overhead).  What the model cannot reach no scheduling
+   through an ideal FIFO server (no steps, no overhead), at the same rate and at 0.8 of its own capacity (the
+   queueing floor of the target's reading for this trace).  What the model cannot reach no scheduling
    can on this hardware; what the run loses beyond the model is server overhead and contention.
    ``--model-cost FIXED_MS PER_TOKEN_MS`` runs this phase alone under a given fit (no model, no server).
 
@@ -585,6 +586,12 @@ def queueing_model(trace, cost: tuple[float, float], args, seeds: int = 20) -> d
     ideal = [float(np.percentile(fifo(np.cumsum(np.random.default_rng(s).exponential(1.0 / rate, len(trace)))), 99))
              / unloaded for s in range(seeds)]
     out["ideal_fifo_p99_over_unloaded_p50"] = float(np.median(ideal))
+    # The same ideal server at 0.8 of ITS OWN capacity (1 / (b * mean computed tokens)): the queueing floor of the
+    # target's reading (Poisson arrivals at 0.8 of saturation) for this trace, which no FIFO policy goes under.
+    own = 0.8 / (b * float(comp.mean()))
+    floor = [float(np.percentile(fifo(np.cumsum(np.random.default_rng(s).exponential(1.0 / own, len(trace)))), 99))
+             / unloaded for s in range(seeds)]
+    out["ideal_fifo_own_saturation_p99_over_unloaded_p50"] = float(np.median(floor))
     return out
 
 
@@ -596,7 +603,8 @@ def print_queueing_model(qm: dict, trace, fit: str = "given") -> None:
     print(f"queueing model over {len(trace)} requests (prompt p50 {int(np.median(lens))} tokens; step = "
           f"{qm['step_ms']['fixed']:.2f} ms + {qm['step_ms']['per_token']:.4f} ms/token, {fit}; p99 TTFT at 0.8 x "
           f"saturation / unloaded p99, median of 20 arrival seeds (p10-p90)): ideal FIFO server "
-          f"{qm['ideal_fifo_p99_over_unloaded_p50']:.2f}; this scheduler: {per_budget}", flush=True)
+          f"{qm['ideal_fifo_p99_over_unloaded_p50']:.2f} (at 0.8 of its own capacity: "
+          f"{qm['ideal_fifo_own_saturation_p99_over_unloaded_p50']:.2f}); this scheduler: {per_budget}", flush=True)
 
 
 def _load() -> str:
