@@ -68,3 +68,66 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 def logprob_table(choice) -> dict[int, float]:
     return {int(k): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
+
+
+class StderrLines:
+    """A server process's stderr, read line by line on a thread.
+
+    Why: a blocking ``readline`` cannot time out (a server that stops writing
+    without exiting hangs the test forever), and a pipe nobody reads blocks
+    the server once its buffer fills.  ``wait_for`` returns the matches of a
+    pattern on the lines read so far and to come, or raises ``AssertionError``
+    with everything read at its deadline or at EOF; ``text`` waits for EOF.
+    """
+
+    def __init__(self, proc):
+        import queue
+        import threading
+
+        self._queue: queue.Queue = queue.Queue()
+        self.lines: list[str] = []
+        self._done = False
+        self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def _take(self, timeout: float) -> bool:
+        """Move one line (or EOF) into ``lines``; False on EOF or when nothing came within ``timeout``."""
+        import queue
+
+        if self._done:
+            return False
+        try:
+            line = self._queue.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return False
+        if line is None:
+            self._done = True
+            return False
+        self.lines.append(line)
+        return True
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 240.0) -> list:
+        import re
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [m for line in self.lines for m in re.finditer(pattern, line)]
+            if len(found) >= count:
+                return found
+            if not self._take(deadline - time.monotonic()) and (self._done or time.monotonic() >= deadline):
+                raise AssertionError(f"{count} x {pattern!r} not seen in {timeout:.0f} s:\n" + "".join(self.lines))
+
+    def text(self, timeout: float = 120.0) -> str:
+        """Everything the process wrote, once it closed stderr (or what came within ``timeout``)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not self._done and time.monotonic() < deadline:
+            self._take(deadline - time.monotonic())
+        return "".join(self.lines)

@@ -13,7 +13,6 @@ forwarding it, whatever its workers return: torchrun's behaviour, not ours.)
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_utils import get, logprob_table, post  # noqa: E402
+from serve_utils import StderrLines, get, logprob_table, post  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,17 +77,11 @@ def test_two_dp_replicas_serve_on_their_own_ports_and_drain_on_sigterm():
            "--warmup-tokens", "8", "--dtype", "float32"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    lines, urls = [], {}
+    stderr = StderrLines(proc)
     try:
-        deadline = time.monotonic() + 240
-        while len(urls) < 2 and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            for m in re.finditer(r"listening on (http://127\.0\.0\.1:(\d+)) \(CP group (\d+)", line):
-                urls[int(m.group(3))] = (m.group(1), int(m.group(2)))
-        assert sorted(urls) == [0, 1], "".join(lines)
+        found = stderr.wait_for(r"listening on (http://127\.0\.0\.1:(\d+)) \(CP group (\d+)", count=2, timeout=240)
+        urls = {int(m.group(3)): (m.group(1), int(m.group(2))) for m in found}
+        assert sorted(urls) == [0, 1], stderr.text(0)
         assert [urls[g][1] for g in (0, 1)] == [base, base + 1]  # group g on --port + g
         for url, _ in urls.values():
             for _ in range(2400):  # warm-up is eager and tiny: bounded wait
@@ -115,9 +108,10 @@ def test_two_dp_replicas_serve_on_their_own_ports_and_drain_on_sigterm():
         assert len(ranks) == 2, ranks
         for pid in ranks:
             os.kill(pid, signal.SIGTERM)
-        rest = proc.communicate(timeout=120)[1]
-        assert rest.count("draining 0 request(s) in flight") == 2, "".join(lines) + rest
-        assert proc.returncode == 0, "".join(lines) + rest
+        code = proc.wait(timeout=120)
+        text = stderr.text()
+        assert text.count("draining 0 request(s) in flight") == 2, text
+        assert code == 0, text
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_utils import TIMEOUT, aget, apost, metric  # noqa: E402
+from serve_utils import TIMEOUT, StderrLines, aget, apost, metric  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,22 +29,17 @@ def _start():
     proc = subprocess.Popen([sys.executable, "-m", "cpgraph", "serve", "--model", "tiny-glm5", "--port", "0",
                              "--token-budget", "16", "--warmup-tokens", "16"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            return proc, m.group(1)
-    proc.kill()
-    raise AssertionError("server did not start: " + "".join(lines))
+    stderr = StderrLines(proc)
+    try:
+        (m,) = stderr.wait_for(r"listening on (http://127\.0\.0\.1:\d+)", timeout=120)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, m.group(1), stderr
 
 
 def test_sigterm_drains_the_request_in_flight_then_exits_0():
-    proc, url = _start()
+    proc, url, stderr = _start()
     try:
         async def run():
             async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -74,8 +67,10 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0():
         (status, body), late = asyncio.run(run())
         assert status == 200, body
         assert body["choices"][0]["prefill"]["chunks"] > 10  # it really was in flight for many steps
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()
-        assert "draining 1 request(s) in flight" in proc.stderr.read()
+        code = proc.wait(timeout=60)
+        text = stderr.text()
+        assert code == 0, text
+        assert "draining 1 request(s) in flight" in text
     finally:
         if proc.poll() is None:
             proc.kill()
