@@ -13,6 +13,7 @@ nearest even, NaN kept as NaN.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -21,6 +22,7 @@ import triton.language as tl
 KIND_F32 = 0
 KIND_BF16 = 1
 KIND_F16 = 2
+KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}  # dtype -> kind
 
 
 @triton.jit
@@ -40,6 +42,18 @@ def bf16_bits(v):
     r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
     r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
     return r.to(tl.int16)
+
+
+@triton.jit
+def round_to_kind(v, KIND: tl.constexpr):
+    """fp32 -> operand kind ``KIND`` -> fp32 (round to nearest even): the rounding eager torch does when it
+    stores an intermediate in the activation dtype (bf16 bit-level, as :func:`bf16_bits`)."""
+    if KIND == 1:
+        return (bf16_bits(v).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif KIND == 2:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
 
 
 @triton.jit

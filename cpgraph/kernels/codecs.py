@@ -26,19 +26,18 @@ import triton
 import triton.language as tl
 
 from ._bits import (
-    KIND_BF16, KIND_F16, KIND_F32, bf16_bits, e4m3_bits, e4m3_to_f32_fast, exp2_f32, load_f32, pow2_exponent, store_f32_as,
+    KIND_BF16, KINDS, bf16_bits, e4m3_bits, e4m3_to_f32_fast, exp2_f32, load_f32, pow2_exponent, store_f32_as,
 )  # fmt: skip
 from ._launch import Launcher
 from .move import interpreting
 
-_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
 
 
 def _operand(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Row-contiguous operand and its kind (bf16 is passed as its int16 bits)."""
     if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
         t = t.contiguous()
-    kind = _KINDS[t.dtype]
+    kind = KINDS[t.dtype]
     return (t.view(torch.int16) if kind == KIND_BF16 else t), kind
 
 
@@ -154,7 +153,7 @@ def mla_fp8_unpack(records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if n == 0:
         return out
     rec = records.contiguous()
-    kind = _KINDS[dtype]
+    kind = KINDS[dtype]
     rows = _rows_per_program(512, n) if interpreting() else max(1, min(UNPACK_ROWS, triton.next_power_of_2(n)))
     _UNPACK(
         (triton.cdiv(n, rows),),

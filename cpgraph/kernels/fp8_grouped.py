@@ -45,12 +45,11 @@ from cpgraph.ops.moe import dispatch_plan, moe_experts_fp8_reference
 from cpgraph.ops.providers import REFERENCE
 
 from .provider_name import PROVIDER_NAME
-from ._bits import KIND_BF16, KIND_F16, KIND_F32, load_f32, store_f32_as
+from ._bits import KINDS, load_f32, store_f32_as
 from ._launch import interpreting
 from .fp8_linear import _k_step, quantize_activations, quantize_group, store_e4m3
 from .moe_combine import combine
 
-_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
 
 
 @triton.jit
@@ -236,7 +235,7 @@ def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block
         n, k, e, rows, a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), b_scale.shape[2],
         row_tiles, col_tiles,
         EP=max(16, triton.next_power_of_2(e)), GATHER=a_rows is not None, BLOCK_N_Q=block_n, BM=bm, BN=bn,
-        BK=block_k, OUT_KIND=_KINDS[out_dtype], LOOP_WHILE=interpreting(), SB_SCALAR=block_n % bn == 0,
+        BK=block_k, OUT_KIND=KINDS[out_dtype], LOOP_WHILE=interpreting(), SB_SCALAR=block_n % bn == 0,
         EVEN_K=k % block_k == 0, GROUP_T=group_t, PAIR_K=pair_k,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -283,7 +282,7 @@ def swiglu_quantize(h: Tensor, group_ends: Tensor, group: int, pow2: bool) -> tu
     src = h.view(torch.int16) if h.dtype == torch.bfloat16 else h
     _swiglu_quant_kernel[(triton.cdiv(c, rows), groups)](
         src, group_ends, q if hw else q.view(torch.uint8), scales, c, i, group_ends.numel(), h.stride(0),
-        GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=_KINDS[h.dtype],
+        GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=KINDS[h.dtype],
         HW_CAST=hw, num_warps=4,
     )  # fmt: skip
     return q, scales

@@ -54,12 +54,11 @@ from cpgraph.ops.fp8_linear import (
 )
 
 from . import deep_gemm_lib
-from ._bits import KIND_BF16, KIND_F16, KIND_F32, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
+from ._bits import KINDS, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
 from ._launch import interpreting
 
 BACKEND_ENV = "CPGRAPH_FP8_LINEAR"
 BACKENDS = ("auto", "scaled_mm", "deep_gemm", "triton")
-_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
 OP = "fp8_block_linear"
 
 
@@ -139,7 +138,7 @@ def quantize_activations(x: torch.Tensor, group: int, pow2: bool, *, scales_colu
     src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
     _quantize_kernel[(triton.cdiv(m, rows), groups)](
         src, q if hw else q.view(torch.uint8), scales, m, k, x.stride(0), scales.stride(0), scales.stride(1),
-        GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=_KINDS[x.dtype],
+        GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=KINDS[x.dtype],
         HW_CAST=hw, num_warps=4,
     )  # fmt: skip
     return q, scales
@@ -252,7 +251,7 @@ def block_scaled_gemm(xq, xs, w, ws, block_n: int, block_k: int, out_dtype, *, t
     dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
     _gemm_kernel[grid](
         xq, xs, w.contiguous(), ws.contiguous(), dst, m, n, k, xs.stride(0), xs.stride(1), ws.shape[1],
-        BLOCK_N_Q=block_n, BM=bm, BN=bn, BK=block_k, GROUP_M=group_m, OUT_KIND=_KINDS[out_dtype],
+        BLOCK_N_Q=block_n, BM=bm, BN=bn, BK=block_k, GROUP_M=group_m, OUT_KIND=KINDS[out_dtype],
         LOOP_WHILE=interpreting(), SB_SCALAR=block_n % bn == 0, EVEN_K=k % block_k == 0,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip

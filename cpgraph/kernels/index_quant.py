@@ -55,9 +55,9 @@ import triton.language as tl
 
 from cpgraph.ops import ledger
 
-from ._bits import e4m3_bits, load_f32, pow2_exponent, store_f32_as
+from ._bits import KINDS, e4m3_bits, load_f32, pow2_exponent, store_f32_as
 from ._launch import Launcher, interpreting
-from .codecs import _KINDS, _quantize_tile
+from .codecs import _quantize_tile
 from .provider_name import PROVIDER_NAME
 
 REFERENCE = "reference"
@@ -123,7 +123,7 @@ def hadamard(x: torch.Tensor, tile=None) -> torch.Tensor:
     rows, warps = _tile("hadamard", d, n, tile)
     _HADAMARD(
         (triton.cdiv(n, rows),),
-        [_bits_view(x2), _bits_view(out), n, x2.stride(0) if n > 1 else d, d**-0.5, _KINDS[x.dtype], d,
+        [_bits_view(x2), _bits_view(out), n, x2.stride(0) if n > 1 else d, d**-0.5, KINDS[x.dtype], d,
          d.bit_length() - 1, rows],
         warps,
     )  # fmt: skip
@@ -163,7 +163,7 @@ def index_k_quant(keys: torch.Tensor, tile=None) -> tuple[torch.Tensor, torch.Te
     rows, warps = _tile("index_k_quant", nbp * 128, n, tile)
     _INDEX_K_QUANT(
         (triton.cdiv(n, rows),),
-        [_bits_view(k), out, scales.view(torch.int32), n, k.stride(0) if n > 1 else d, _KINDS[keys.dtype], d, nb,
+        [_bits_view(k), out, scales.view(torch.int32), n, k.stride(0) if n > 1 else d, KINDS[keys.dtype], d, nb,
          nbp, rows],
         warps,
     )  # fmt: skip
@@ -216,7 +216,7 @@ def indexer_q_quant(q: torch.Tensor, weights: torch.Tensor, tile=None) -> tuple[
     _Q_QUANT(
         (triton.cdiv(n, rows),),
         [_bits_view(qq), weights, out, w_out, n, h, qq.stride(0), qq.stride(1), weights.stride(0), weights.stride(1),
-         _KINDS[q.dtype], d, dp, rows],
+         KINDS[q.dtype], d, dp, rows],
         warps,
     )  # fmt: skip
     return out, w_out

@@ -52,14 +52,13 @@ from torch import Tensor
 from cpgraph.ops import ledger
 from cpgraph.ops.invariant import check_invariant_mm, invariant_fp8_linear_reference, out_shape
 
-from ._bits import KIND_BF16, KIND_F16, KIND_F32, load_f32, store_f32_as
+from ._bits import KINDS, load_f32, store_f32_as
 from ._launch import interpreting
 from .fp8_grouped import GROUP_T, _tile_of, grouped_gemm, swiglu_quantize
 from .fp8_linear import block_scaled_gemm, quantize_activations
 
 TILES_ENV = "CPGRAPH_INVARIANT_GEMM_TILES"
 TILES_F32_ENV = "CPGRAPH_INVARIANT_GEMM_TILES_F32"
-_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
 # (BM, BN, warps, stages) of the FP8 GEMMs: the measured defaults of .fp8_linear / .fp8_grouped, stated here so
 # that a later per-M tuning there cannot silently make deterministic mode depend on M.
 FP8_TILES = (64, 128, 4, 4)
@@ -191,8 +190,8 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
     config comes from :func:`tiles` of ``b``'s ``(N, K)`` and dtype.
     """
     check_invariant_mm(a, b, bias)
-    if a.dtype not in _KINDS:
-        raise ValueError(f"invariant matmul: the Triton kernel takes {sorted(map(str, _KINDS))}, got {a.dtype}")
+    if a.dtype not in KINDS:
+        raise ValueError(f"invariant matmul: the Triton kernel takes {sorted(map(str, KINDS))}, got {a.dtype}")
     shape = out_shape(a, b)
     if out is None:
         out = torch.empty(shape, dtype=a.dtype, device=a.device)
@@ -222,7 +221,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         c3.stride(0), c3.stride(1), c3.stride(2), o3.stride(0), o3.stride(1), o3.stride(2),
         float(alpha), float(beta),
         HAS_BIAS=use_bias, HAS_ALPHA=alpha != 1, HAS_BETA=use_bias and beta != 1,
-        BM=bm, BN=bn, BK=bk, GROUP_M=8, KIND=_KINDS[a.dtype], OUT_KIND=_KINDS[a.dtype], BITS=bits,
+        BM=bm, BN=bn, BK=bk, GROUP_M=8, KIND=KINDS[a.dtype], OUT_KIND=KINDS[a.dtype], BITS=bits,
         IEEE=a.dtype == torch.float32, LOOP_WHILE=interpreting(),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -297,7 +296,7 @@ def grouped_matmul(a: Tensor, a_rows: Tensor | None, b: Tensor, group_ends: Tens
         _bits_view(a) if bits else a, a_rows if a_rows is not None else group_ends, _bits_view(b) if bits else b,
         group_ends, _bits_view(out), n, k, e, rows, a.stride(0), b.stride(0), b.stride(1), b.stride(2),
         EP=max(16, triton.next_power_of_2(e)), GATHER=a_rows is not None, BM=bm, BN=bn, BK=bk,
-        KIND=_KINDS[a.dtype], BITS=bits, IEEE=a.dtype == torch.float32, LOOP_WHILE=interpreting(),
+        KIND=KINDS[a.dtype], BITS=bits, IEEE=a.dtype == torch.float32, LOOP_WHILE=interpreting(),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -306,7 +305,7 @@ def grouped_matmul(a: Tensor, a_rows: Tensor | None, b: Tensor, group_ends: Tens
 # ---------------------------------------------------------------- providers
 def invariant_mm(a, b, bias=None, beta=1.0, alpha=1.0):
     """Provider of ``cpgraph::invariant_mm``; fp64 (no tensor-core kernel here) runs the fixed-order reference."""
-    if a.dtype not in _KINDS:
+    if a.dtype not in KINDS:
         from cpgraph.ops.invariant import invariant_mm_reference
 
         ledger.fell_back("invariant_mm", a.device.type, "reference", f"{a.dtype} operands", instead_of="triton")

@@ -30,22 +30,10 @@ import triton.language as tl
 from cpgraph.ops.fp8_linear import ceil_div
 from cpgraph.ops.norm_quant import check_rms_norm_quantize
 
-from ._bits import KIND_BF16, KIND_F16, KIND_F32, bf16_bits, load_f32, store_f32_as
+from ._bits import KINDS, load_f32, round_to_kind, store_f32_as
 from ._launch import interpreting
 from .fp8_linear import quantize_group, store_e4m3
 
-_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
-
-
-@triton.jit
-def _round_to(v, KIND: tl.constexpr):
-    """fp32 -> the activation dtype -> fp32 (round to nearest even), bit-level for bf16 as the codecs do."""
-    if KIND == 1:
-        return (bf16_bits(v).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif KIND == 2:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
 
 
 @triton.jit
@@ -53,7 +41,7 @@ def _row_tile(x, res, row_x, row_r, cols, ok, KIND: tl.constexpr, HAS_RES: tl.co
     """``s`` of one tile: ``x`` (+ the residual, rounded to the activation dtype)."""
     s = load_f32(x + row_x + cols, ok, KIND)
     if HAS_RES:
-        s = _round_to(s + load_f32(res + row_r + cols, ok, KIND), KIND)
+        s = round_to_kind(s + load_f32(res + row_r + cols, ok, KIND), KIND)
     return s
 
 
@@ -78,7 +66,7 @@ def _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, g
     cols = g[:, None] * GROUP + ci[None, :]
     ok = (ci[None, :] < GROUP) & (cols < K)
     s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
-    h = _round_to((s * rstd) * load_f32(w + cols, ok, W_KIND), KIND)
+    h = round_to_kind((s * rstd) * load_f32(w + cols, ok, W_KIND), KIND)
     if EMIT_NORMED:
         store_f32_as(normed + row_o + cols, h, ok, KIND)
     y, sc = quantize_group(h, ok, POW2)
@@ -151,7 +139,7 @@ def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, e
         _bits(x), _bits(res), _bits(weight), _bits(summed if residual is not None else x),
         _bits(normed if emit_normed else x), q if hw else q.view(torch.uint8), scales,
         m, k, float(k), groups, x.stride(0), res.stride(0), float(eps),
-        GROUP=group, GP=gp, TG=tile_groups, POW2=bool(pow2), KIND=_KINDS[x.dtype], W_KIND=_KINDS[weight.dtype],
+        GROUP=group, GP=gp, TG=tile_groups, POW2=bool(pow2), KIND=KINDS[x.dtype], W_KIND=KINDS[weight.dtype],
         HAS_RES=residual is not None, EMIT_NORMED=bool(emit_normed), HW_CAST=hw, LOOP_WHILE=not hw, num_warps=4,
     )  # fmt: skip
     return summed, normed, q, scales

@@ -22,21 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._bits import KIND_BF16, KIND_F16, KIND_F32, bf16_bits, load_f32, store_f32_as
+from ._bits import KINDS, KIND_BF16, load_f32, round_to_kind, store_f32_as
 from ._launch import interpreting
 
-_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
-
-
-@triton.jit
-def _round_to(v, KIND: tl.constexpr):
-    """fp32 -> the operand dtype and back (the eager kernels' intermediate rounding)."""
-    if KIND == 1:
-        return (bf16_bits(v).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif KIND == 2:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
 
 
 @triton.jit
@@ -49,7 +37,7 @@ def _swiglu_kernel(h, group_ends, out, C, I, E, stride_h, ROWS: tl.constexpr, BL
     r64 = rows.to(tl.int64)
     gate = load_f32(h + r64[:, None] * stride_h + cols[None, :], ok, KIND)
     up = load_f32(h + r64[:, None] * stride_h + I + cols[None, :], ok, KIND)
-    act = _round_to(gate / (1.0 + tl.exp(-gate)), KIND)
+    act = round_to_kind(gate / (1.0 + tl.exp(-gate)), KIND)
     store_f32_as(out + r64[:, None] * I + cols[None, :], act * up, ok, KIND)
 
 
@@ -66,7 +54,7 @@ def swiglu(h: Tensor, group_ends: Tensor) -> Tensor:
     if h.stride(1) != 1:
         h = h.contiguous()
     rows, block = (4, 64) if interpreting() else (8, 256)
-    kind = _KINDS[h.dtype]
+    kind = KINDS[h.dtype]
     src, dst = (h.view(torch.int16), out.view(torch.int16)) if kind == KIND_BF16 else (h, out)
     _swiglu_kernel[(triton.cdiv(c, rows), triton.cdiv(i, block))](
         src, group_ends, dst, c, i, group_ends.numel(), h.stride(0), ROWS=rows, BLOCK=block, KIND=kind, num_warps=4,
