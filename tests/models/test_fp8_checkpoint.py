@@ -464,30 +464,37 @@ def test_expert_parallel_pass_keeps_the_fp8_experts_scales(ds_checkpoint):
 
 
 
+def with_and_without(ds_checkpoint, pass_name: str):
+    """Logits of the FP8 model compiled with and without ``pass_name`` (aot_eager), and the pass's change to the
+    ``cpgraph.*`` op counts (once: the compile without it has no entry)."""
+    from test_compile import _inputs
+
+    from cpgraph.models.prefill import make_layout
+    from cpgraph.passes import CPConfig, compile
+
+    root, _, _ = ds_checkpoint
+    model = from_pretrained(root, dtype=torch.float32, weights="fp8")
+    model.kv_layout = make_layout(model, "bf16", 16)
+    logits, deltas = [], []
+    for disabled in ((), (pass_name,)):
+        torch._dynamo.reset()
+        fn = compile(model, CPConfig(disabled_passes=disabled), backend="aot_eager")
+        logits.append(fn(*_inputs(model, model.kv_layout, [21, 6])).logits)
+        deltas += [{k: a[k] - b[k] for k in set(a) | set(b) if a[k] != b[k] and k.startswith("cpgraph.")}
+                   for name, b, a in fn.cpgraph_passes.history if name == pass_name]
+    torch._dynamo.reset()
+    return logits, deltas
+
+
 @pytest.mark.slow
 def test_projections_reading_one_input_share_its_quantisation(ds_checkpoint):
     """``share_activation_quantization`` on the whole FP8 model: q_a, kv_a and the indexer's wk share the normed
     hidden state's codes, q_b and the indexer's wq_b the query latent's, an MLP's gate and up theirs; o_proj and
     down keep their own.  The logits are bit-equal to the same compile without the pass (the codes are a function
     of the input alone and the GEMM half is the same function: equal by construction)."""
-    from test_compile import _inputs
-
-    from cpgraph.models.prefill import make_layout
-    from cpgraph.passes import CPConfig, compile
-
-    root, _, d = ds_checkpoint
-    model = from_pretrained(root, dtype=torch.float32, weights="fp8")
-    model.kv_layout = make_layout(model, "bf16", 16)
-    logits, deltas = [], []
-    for disabled in ((), ("share_activation_quantization",)):
-        torch._dynamo.reset()
-        fn = compile(model, CPConfig(disabled_passes=disabled), backend="aot_eager")
-        logits.append(fn(*_inputs(model, model.kv_layout, [21, 6])).logits)
-        deltas += [{k: a[k] - b[k] for k in set(a) | set(b) if a[k] != b[k]}
-                   for name, b, a in fn.cpgraph_passes.history if name == "share_activation_quantization"]
-    torch._dynamo.reset()
+    logits, deltas = with_and_without(ds_checkpoint, "share_activation_quantization")
     assert torch.equal(logits[0], logits[1])
-    layers = d["num_hidden_layers"]
+    layers = ds_checkpoint[2]["num_hidden_layers"]
     assert deltas == [{"cpgraph.fp8_block_linear": -7 * layers, "cpgraph.fp8_quantize_activations": 3 * layers,
                        "cpgraph.fp8_linear_quantized": 7 * layers}]
 
@@ -498,23 +505,8 @@ def test_norms_quantise_for_the_projections_they_feed(ds_checkpoint):
     but the first) and the query latent's norm of each layer quantise for their projections, and a dense layer's
     post-attention norm for gate / up; a MoE layer's experts read compacted rows, so their quantisation stays.  The
     logits stay within an FP8 step of the same compile without the pass (tests/passes/test_fuse_norm_quant.py)."""
-    from test_compile import _inputs
-
-    from cpgraph.models.prefill import make_layout
-    from cpgraph.passes import CPConfig, compile
-
-    root, _, d = ds_checkpoint
-    model = from_pretrained(root, dtype=torch.float32, weights="fp8")
-    model.kv_layout = make_layout(model, "bf16", 16)
-    logits, deltas = [], []
-    for disabled in ((), ("fuse_norm_into_quantization",)):
-        torch._dynamo.reset()
-        fn = compile(model, CPConfig(disabled_passes=disabled), backend="aot_eager")
-        logits.append(fn(*_inputs(model, model.kv_layout, [21, 6])).logits)
-        deltas += [{k: a[k] - b[k] for k in set(a) | set(b) if a[k] != b[k] and k.startswith("cpgraph.")}
-                   for name, b, a in fn.cpgraph_passes.history if name == "fuse_norm_into_quantization"]
-    torch._dynamo.reset()
+    logits, deltas = with_and_without(ds_checkpoint, "fuse_norm_into_quantization")
     assert rel_err(logits[0], logits[1]) <= 2**-6
-    layers, dense = d["num_hidden_layers"], d["first_k_dense_replace"]
-    fused = 2 * layers + dense
+    d = ds_checkpoint[2]
+    fused = 2 * d["num_hidden_layers"] + d["first_k_dense_replace"]
     assert deltas == [{"cpgraph.fp8_quantize_activations": -fused, "cpgraph.fp8_rms_norm_quantize": fused}]
