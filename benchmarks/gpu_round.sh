@@ -12,7 +12,7 @@
 #                                       #      wheel kept in $OUT
 #   benchmarks/gpu_round.sh forward     # GPU: two V3.2 layers at 32K, compiled, profiled (the targets' run);
 #                                       #      the FP8 GEMMs' GPU tests; FP8 linears at M = 4096 and 32768,
-#                                       #      DeepGEMM, SwiGLU benches
+#                                       #      the fused norm + FP8 quantisation, DeepGEMM, SwiGLU benches
 #   benchmarks/gpu_round.sh serve       # GPU: the serving tests and serve_bench, production-shaped
 #   benchmarks/gpu_round.sh cp2         # 2 GPUs: the CP + CUDA-graph tests (graph runner, serve)
 #
@@ -126,6 +126,8 @@ forward)
     # Device time (CUDA-graph replays: eager calls add ~60 us of host time at 4096 rows)
     step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph --check \
         --json "$OUT/fp8_linear.json"
+    # The add + RMSNorm that quantises for the FP8 projections, against Inductor's norm + the quantiser
+    step norm_quant python3 benchmarks/norm_quant_bench.py --sweep --json "$OUT/norm_quant.json"
     step deep_gemm python3 benchmarks/deep_gemm_bench.py --json "$OUT/deep_gemm.json"
     step swiglu python3 benchmarks/swiglu_bench.py --json "$OUT/swiglu.json"
     ;;

@@ -115,8 +115,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, emit_normed: bool):
-    """Provider: the op's ``(summed, normed, q, scales)`` from one kernel launch (module docstring)."""
+TILE_VALUES = 2048  # values per tile (16 groups of 128): 16 per thread at 4 warps
+NUM_WARPS = 4
+
+
+def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, emit_normed: bool, *,
+                      tile_values: int = TILE_VALUES, num_warps: int = NUM_WARPS):
+    """Provider: the op's ``(summed, normed, q, scales)`` from one kernel launch (module docstring).
+
+    ``tile_values`` / ``num_warps``: the tile (rounded to whole groups, a power of two of them) and the
+    warps per row, for ``benchmarks/norm_quant_bench.py --sweep``; the op uses the defaults.
+    """
     check_rms_norm_quantize(x, residual, weight, eps, group)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -133,14 +142,14 @@ def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, e
         return summed, normed, q, scales
     hw = not interpreting()
     gp = triton.next_power_of_2(group)
-    tile_groups = max(1, min(triton.next_power_of_2(groups), 2048 // gp))
+    tile_groups = max(1, min(triton.next_power_of_2(groups), tile_values // gp))
     res = residual if residual is not None else x
     _rms_norm_quantize_kernel[(m,)](
         _bits(x), _bits(res), _bits(weight), _bits(summed if residual is not None else x),
         _bits(normed if emit_normed else x), q if hw else q.view(torch.uint8), scales,
         m, k, float(k), groups, x.stride(0), res.stride(0), float(eps),
         GROUP=group, GP=gp, TG=tile_groups, POW2=bool(pow2), KIND=KINDS[x.dtype], W_KIND=KINDS[weight.dtype],
-        HAS_RES=residual is not None, EMIT_NORMED=bool(emit_normed), HW_CAST=hw, LOOP_WHILE=not hw, num_warps=4,
+        HAS_RES=residual is not None, EMIT_NORMED=bool(emit_normed), HW_CAST=hw, LOOP_WHILE=not hw, num_warps=num_warps,
     )  # fmt: skip
     return summed, normed, q, scales
 

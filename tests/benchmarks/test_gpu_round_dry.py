@@ -19,7 +19,7 @@ def test_script_parses_and_names_the_files_it_runs(tmp_path):
     root = SCRIPT.parents[1]
     for path in ("benchmarks/topk_select_bench.py", "benchmarks/production_shape.py", "benchmarks/serve_bench.py",
                  "benchmarks/sass_loops.py", "benchmarks/fp8_linear_bench.py", "benchmarks/deep_gemm_bench.py",
-                 "benchmarks/swiglu_bench.py", "benchmarks/indexer_bench.py", "tests/kernels/test_indexer_kernels.py", "tests/serve/test_serve_gpu.py",
+                 "benchmarks/swiglu_bench.py", "benchmarks/norm_quant_bench.py", "benchmarks/indexer_bench.py", "tests/kernels/test_indexer_kernels.py", "tests/serve/test_serve_gpu.py",
                  "tests/runtime/test_bucket_padding_cp.py"):
         assert path in text and (root / path).is_file(), path
     for test in ("test_cp2_cuda_graph_server_replays_and_matches_prefill_logits",
