@@ -196,15 +196,19 @@ def test_normed_rows_kept_for_another_reader():
 
 
 def not_fusable(x, attn, norm_w, w1, s1, w2, s2):
-    """A projection of a plain activation, and a norm written out by hand (x / sqrt(...)), are not rewritten."""
+    """A projection of a plain activation, a norm written out by hand (x / sqrt(...)), and transformers' form
+    (rounded to the activation dtype before the weight: another arithmetic) are not rewritten."""
     plain = ops.fp8_block_linear((x + attn).reshape(-1, K), w1, s1, 128, 128, True)
     xf = x.float()
     h = (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w).to(x.dtype)
-    return plain, ops.fp8_block_linear(h.reshape(-1, K), w2, s2, 128, 128, True)
+    hf = norm_w.to(x.dtype) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    return (plain, ops.fp8_block_linear(h.reshape(-1, K), w2, s2, 128, 128, True),
+            ops.fp8_block_linear(hf.reshape(-1, K), w2, s2, 128, 128, True))
 
 
 def test_other_inputs_are_left_alone():
     gm = traced(not_fusable, layer_inputs())
+    assert op_counts(gm.graph, "cpgraph.") == {"cpgraph.fp8_block_linear": 3}
     text = normalized_graph(gm.graph)
     fuse_norm_into_quantization(gm)
     assert normalized_graph(gm.graph) == text
