@@ -183,8 +183,11 @@ class PrefillServer:
             raw = await request.read()
             charset = request.charset
             body = json.loads(raw if charset is None or charset.lower() in ("utf-8", "utf8") else raw.decode(charset))
-        except (json.JSONDecodeError, UnicodeDecodeError, LookupError) as exc:
-            return _error(400, f"the request body is not JSON: {' '.join(str(exc).split())}")
+        # ValueError covers JSONDecodeError, UnicodeDecodeError and integers past the parser's digit limit;
+        # RecursionError is what arrays or objects nested too deeply raise; LookupError an unknown charset.
+        except (ValueError, LookupError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else " ".join(str(exc).split())[:200]
+            return _error(400, f"the request body is not JSON: {why}")
         try:
             comp = parse_completion(body, served=self.served, vocab=self.engine.vocab,
                                     max_prompt_tokens=self.engine.max_prompt_tokens, encode=self.encode)

@@ -147,6 +147,8 @@ def test_sampling_is_reproducible_with_a_seed(server):
 BAD = [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # nested too deeply for the parser
+    (b'{"prompt": [1' + b"0" * 5000 + b']}', 400, None),  # an integer past the parser's digit limit
     ({"max_tokens": 1}, 400, "prompt"),
     ({"prompt": [1, 2], "max_tokens": 16}, 400, "max_tokens"),
     ({"prompt": [1, 2], "temperature": "hot"}, 400, "temperature"),
