@@ -19,7 +19,8 @@ bit-equal, the normed rows within one ulp, the codes exactly the quantisation of
 
 Cases (DeepSeek-V3.2): the attention input (hidden 7168, residual add, normed rows also read by the
 indexer's fp32 weights_proj) and the query latent (1536, no residual, only FP8 projections read it), at
-4096 and 32768 rows.  ``--sweep`` also times tile variants (values per tile x warps).
+4096 and 32768 rows.  ``--sweep`` also times variants: the row in registers (one sweep) at several warp
+counts, and two sweeps of several tiles.
 
     python benchmarks/norm_quant_bench.py [--rows 4096 32768] [--sweep] [--json out.json]
     TRITON_INTERPRET=1 python benchmarks/norm_quant_bench.py --device cpu --rows 6 --no-compile   # dry run
@@ -41,7 +42,9 @@ from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, 
 
 # name -> (K, residual add, normed rows written for another reader)
 CASES = {"attn_input": (7168, True, True), "q_latent": (1536, False, False)}
-SWEEP = [(1024, 4), (2048, 4), (4096, 4), (2048, 8), (4096, 8), (8192, 8)]
+# --sweep variants (row_values, tile_values, warps): the whole row in registers (one sweep) at 4 / 8 / 16 warps,
+# and two sweeps of a 1024- to 4096-value tile (row_values 0 forces them)
+SWEEP = [(8192, 2048, 4), (8192, 2048, 8), (8192, 2048, 16), (0, 1024, 4), (0, 2048, 4), (0, 2048, 8), (0, 4096, 8)]
 
 
 def traffic(m: int, k: int, residual: bool, emit: bool) -> int:
@@ -111,9 +114,10 @@ def main(argv=None) -> dict:
                 peers["norm+quant"] = lambda: ops.fp8_quantize_activations(norm(x, res, w)[1], 128, True)
                 peers["norm"] = lambda: norm(x, res, w)
             if args.sweep:
-                for tile, warps in SWEEP:
-                    peers[f"ours {tile}x{warps}w"] = (lambda t=tile, nw=warps: rms_norm_quantize(
-                        x, res, w, 1e-6, 128, True, emit, tile_values=t, num_warps=nw))
+                for row_values, tile, warps in SWEEP:
+                    label = f"one sweep {warps}w" if row_values else f"two {tile} {warps}w"
+                    peers[label] = (lambda rv=row_values, t=tile, nw=warps: rms_norm_quantize(
+                        x, res, w, 1e-6, 128, True, emit, row_values=rv, tile_values=t, num_warps=nw))
             ms = {p: _time_ms(fn, repeat, cuda) for p, fn in peers.items()}
             case = {"case": name, "rows": m, "K": k, "residual": residual, "emit_normed": emit, "bytes": nbytes,
                     "copy_gbs": nbytes / ms["copy"] / 1e6,

@@ -1,21 +1,22 @@
 """CUDA provider of ``cpgraph::fp8_rms_norm_quantize``: residual add, RMSNorm and FP8 codes in one pass.
 
-One program per row, two sweeps over the row in tiles of ``TG`` quantisation
-groups (``TG * group`` values):
+One program per row.  A row of up to 8192 values (every DSA width) is read
+once and kept in registers; a longer one takes two sweeps in tiles of ``TG``
+quantisation groups (``TG * group`` values):
 
 1. add the residual (rounded to the activation dtype, written out as
    ``summed``) and accumulate the fp32 squares;
-2. re-read the row (from L2: a 7168-wide bf16 row pair is 28 KB), scale by
+2. re-read the row (from L2 while it stays there), scale by
    ``rsqrt(mean + eps)`` and the weight, round to the activation dtype
    (written out as ``normed`` when asked), and quantise each group with
    :func:`~cpgraph.kernels.fp8_linear.quantize_group`, the quantiser every
    FP8 kernel here shares, so the codes are exactly those of the rounded
    row (the op's contract).
 
-Why not one sweep with the row held in registers: the row width is the
-model's (7168 for V3.2, 6144 for GLM-5, anything for a user's model); two
-sweeps work for every width with the same registers, and the second reads
-from L2, not HBM.  Only a row's own values enter its sum (in a fixed tile
+Why two paths: one sweep reads the row once, but holds all of it in
+registers, which bounds the width; two sweeps work for any width (a user's
+model) with the same registers, the second reading from L2 while the rows
+in flight fit there.  Only a row's own values enter its sum (in a fixed tile
 order), so a row's result does not depend on the batch: CP ranks and a
 single device compute identical rows.  No host sync; static shapes (CUDA
 graph safe).
@@ -58,14 +59,11 @@ def _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K,
 
 
 @triton.jit
-def _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
-                   GROUP: tl.constexpr, POW2: tl.constexpr, KIND: tl.constexpr, W_KIND: tl.constexpr,
-                   HAS_RES: tl.constexpr, EMIT_NORMED: tl.constexpr, HW_CAST: tl.constexpr):  # fmt: skip
-    """Sweep 2 on one tile: the normed values rounded to the activation dtype, then their codes and scales."""
-    g = g0 + gi
-    cols = g[:, None] * GROUP + ci[None, :]
-    ok = (ci[None, :] < GROUP) & (cols < K)
-    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
+def _emit_tile(s, w, normed, q, scales, row, row_o, cols, ok, g, rstd, M, G,
+               POW2: tl.constexpr, KIND: tl.constexpr, W_KIND: tl.constexpr, EMIT_NORMED: tl.constexpr,
+               HW_CAST: tl.constexpr):  # fmt: skip
+    """The normed values of one tile rounded to the activation dtype (written when asked), then their codes and
+    scales."""
     h = round_to_kind((s * rstd) * load_f32(w + cols, ok, W_KIND), KIND)
     if EMIT_NORMED:
         store_f32_as(normed + row_o + cols, h, ok, KIND)
@@ -75,11 +73,24 @@ def _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, g
 
 
 @triton.jit
+def _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+                   GROUP: tl.constexpr, POW2: tl.constexpr, KIND: tl.constexpr, W_KIND: tl.constexpr,
+                   HAS_RES: tl.constexpr, EMIT_NORMED: tl.constexpr, HW_CAST: tl.constexpr):  # fmt: skip
+    """Sweep 2 on one tile: the row's values again (from L2), then :func:`_emit_tile`."""
+    g = g0 + gi
+    cols = g[:, None] * GROUP + ci[None, :]
+    ok = (ci[None, :] < GROUP) & (cols < K)
+    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
+    _emit_tile(s, w, normed, q, scales, row, row_o, cols, ok, g, rstd, M, G, POW2, KIND, W_KIND, EMIT_NORMED,
+               HW_CAST)
+
+
+@triton.jit
 def _rms_norm_quantize_kernel(
     x, res, w, summed, normed, q, scales, M, K, K_F, G, stride_x, stride_r, eps,
     GROUP: tl.constexpr, GP: tl.constexpr, TG: tl.constexpr, POW2: tl.constexpr, KIND: tl.constexpr,
     W_KIND: tl.constexpr, HAS_RES: tl.constexpr, EMIT_NORMED: tl.constexpr, HW_CAST: tl.constexpr,
-    LOOP_WHILE: tl.constexpr,
+    LOOP_WHILE: tl.constexpr, ONE_SWEEP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     gi = tl.arange(0, TG)
@@ -87,27 +98,38 @@ def _rms_norm_quantize_kernel(
     row_x = row * stride_x
     row_r = row * stride_r
     row_o = row * K
-    acc = tl.zeros([TG, GP], dtype=tl.float32)
-    if LOOP_WHILE:  # the interpreter cannot take a runtime bound in range()
-        g0 = 0
-        while g0 < G:
-            acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES)
-            g0 += TG
+    if ONE_SWEEP:  # the whole row is one tile (TG >= G): read once, kept in registers
+        cols = gi[:, None] * GROUP + ci[None, :]
+        ok = (ci[None, :] < GROUP) & (cols < K)
+        s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
+        if HAS_RES:
+            store_f32_as(summed + row_o + cols, s, ok, KIND)
+        mean = tl.math.div_rn(tl.sum(tl.sum(s * s, axis=1), axis=0), K_F)
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
+        _emit_tile(s, w, normed, q, scales, row, row_o, cols, ok, gi, rstd, M, G, POW2, KIND, W_KIND, EMIT_NORMED,
+                   HW_CAST)
     else:
-        for g0 in range(0, G, TG):
-            acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES)
-    mean = tl.math.div_rn(tl.sum(tl.sum(acc, axis=1), axis=0), K_F)
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
-    if LOOP_WHILE:
-        g0 = 0
-        while g0 < G:
-            _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
-                           GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
-            g0 += TG
-    else:
-        for g0 in range(0, G, TG):
-            _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
-                           GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
+        acc = tl.zeros([TG, GP], dtype=tl.float32)
+        if LOOP_WHILE:  # the interpreter cannot take a runtime bound in range()
+            g0 = 0
+            while g0 < G:
+                acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES)
+                g0 += TG
+        else:
+            for g0 in range(0, G, TG):
+                acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES)
+        mean = tl.math.div_rn(tl.sum(tl.sum(acc, axis=1), axis=0), K_F)
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
+        if LOOP_WHILE:
+            g0 = 0
+            while g0 < G:
+                _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+                               GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
+                g0 += TG
+        else:
+            for g0 in range(0, G, TG):
+                _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+                               GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -115,16 +137,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-TILE_VALUES = 2048  # values per tile (16 groups of 128): 16 per thread at 4 warps
-NUM_WARPS = 4
+ROW_VALUES = 8192  # rows up to this many values (in whole groups, a power of two of them) take one sweep
+TILE_VALUES = 2048  # the tile of the two sweeps past that (16 groups of 128)
 
 
 def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, emit_normed: bool, *,
-                      tile_values: int = TILE_VALUES, num_warps: int = NUM_WARPS):
+                      row_values: int = ROW_VALUES, tile_values: int = TILE_VALUES, num_warps: int | None = None):
     """Provider: the op's ``(summed, normed, q, scales)`` from one kernel launch (module docstring).
 
-    ``tile_values`` / ``num_warps``: the tile (rounded to whole groups, a power of two of them) and the
-    warps per row, for ``benchmarks/norm_quant_bench.py --sweep``; the op uses the defaults.
+    A row of at most ``row_values`` values (V3.2's 7168 and 1536, GLM-5's 6144) is read once and kept in
+    registers; a longer one takes two sweeps of ``tile_values``.  ``num_warps`` defaults to 8 for one sweep of
+    more than 4096 values, else 4.  The knobs are for ``benchmarks/norm_quant_bench.py --sweep``; the op uses
+    the defaults, and a given ``K`` always takes the same path (a row's bits do not depend on ``M``).
     """
     check_rms_norm_quantize(x, residual, weight, eps, group)
     if x.stride(1) != 1:
@@ -142,14 +166,19 @@ def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, e
         return summed, normed, q, scales
     hw = not interpreting()
     gp = triton.next_power_of_2(group)
-    tile_groups = max(1, min(triton.next_power_of_2(groups), tile_values // gp))
+    row_groups = triton.next_power_of_2(groups)
+    one_sweep = row_groups * gp <= row_values
+    tile_groups = row_groups if one_sweep else max(1, min(row_groups, tile_values // gp))
+    if num_warps is None:
+        num_warps = 8 if one_sweep and row_groups * gp > 4096 else 4
     res = residual if residual is not None else x
     _rms_norm_quantize_kernel[(m,)](
         _bits(x), _bits(res), _bits(weight), _bits(summed if residual is not None else x),
         _bits(normed if emit_normed else x), q if hw else q.view(torch.uint8), scales,
         m, k, float(k), groups, x.stride(0), res.stride(0), float(eps),
         GROUP=group, GP=gp, TG=tile_groups, POW2=bool(pow2), KIND=KINDS[x.dtype], W_KIND=KINDS[weight.dtype],
-        HAS_RES=residual is not None, EMIT_NORMED=bool(emit_normed), HW_CAST=hw, LOOP_WHILE=not hw, num_warps=num_warps,
+        HAS_RES=residual is not None, EMIT_NORMED=bool(emit_normed), HW_CAST=hw, LOOP_WHILE=not hw,
+        ONE_SWEEP=one_sweep, num_warps=num_warps,
     )  # fmt: skip
     return summed, normed, q, scales
 

@@ -138,6 +138,25 @@ def test_kernel_matches_the_reference(m, k, group, dtype, res, emit, pow2):
 
 
 @needs_kernels
+@pytest.mark.parametrize("k,res,emit", [(1000, True, True), (7168, False, True), (640, True, False)])
+def test_kernel_two_sweep_path_for_rows_past_the_register_tile(k, res, emit):
+    """Rows wider than ``row_values`` take two sweeps (tiles of ``tile_values``): same contract."""
+    from cpgraph.kernels.norm_quant import rms_norm_quantize
+
+    x, r, w = inputs(3, k, seed=k, residual=res, device=kernel_device())
+    summed, normed, q, s = rms_norm_quantize(x, r, w, 1e-6, 128, True, True, row_values=256, tile_values=256)
+    want = rms_norm_quantize_reference(x.cpu(), r.cpu() if res else None, w.cpu(), 1e-6, 128, True, True)
+    if res:
+        assert torch.equal(summed.cpu(), want[0])
+    assert ulps(normed.cpu(), want[1]) <= 1.0
+    want_q, want_s = codes_of(normed.cpu(), 128, True)
+    assert torch.equal(q.cpu().view(U8), want_q) and torch.equal(s.cpu(), want_s)
+    if not emit:
+        _, none, q2, s2 = rms_norm_quantize(x, r, w, 1e-6, 128, True, False, row_values=256, tile_values=256)
+        assert none.shape == (0, k) and torch.equal(q2.view(U8), q.view(U8)) and torch.equal(s2, s)
+
+
+@needs_kernels
 @pytest.mark.bitexact
 def test_kernel_rows_do_not_depend_on_the_batch():
     """A row computed in a batch of 9 equals the same row computed alone, bit for bit (CP = single device)."""
