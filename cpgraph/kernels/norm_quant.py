@@ -151,15 +151,19 @@ def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, e
     the defaults, and a given ``K`` always takes the same path (a row's bits do not depend on ``M``).
     """
     check_rms_norm_quantize(x, residual, weight, eps, group)
+    shape, k = x.shape, x.shape[-1]
+    x = x.reshape(-1, k)  # a view for the rows the model hands over; a copy only for odd strides
     if x.stride(1) != 1:
         x = x.contiguous()
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
+    if residual is not None:
+        residual = residual.reshape(-1, k)
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
     weight = weight.contiguous()
-    m, k = x.shape
+    m = x.shape[0]
     groups = ceil_div(k, group)
-    summed = torch.empty((m if residual is not None else 0, k), dtype=x.dtype, device=x.device)
-    normed = torch.empty((m if emit_normed else 0, k), dtype=x.dtype, device=x.device)
+    summed = torch.empty(shape if residual is not None else (0, k), dtype=x.dtype, device=x.device)
+    normed = torch.empty(shape if emit_normed else (0, k), dtype=x.dtype, device=x.device)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
     if m == 0:

@@ -12,7 +12,7 @@ kernel adds, normalises and quantises: the codes and scales come out of the
 pass that computes the norm (docs/ops/fp8_linear.md, "Quantisation fused
 into the norm").  The pass ``fuse_norm_into_quantization`` puts it in.
 
-Contract, per row (``x [M, K]``, ``weight [K]``)::
+Contract, per row (``x [..., K]``: ``M`` rows, the product of the leading dims; ``weight [K]``)::
 
     s      = x + residual, rounded to x.dtype         (x itself without a residual)
     h      = ((float(s) * rsqrt(mean(float(s)^2) + eps)) * float(weight)), rounded to x.dtype
@@ -20,11 +20,14 @@ Contract, per row (``x [M, K]``, ``weight [K]``)::
 
 Returns ``(summed, normed, q, scales)``:
 
-* ``summed`` ``[M, K]`` (``s``) when ``residual`` is given, else ``[0, K]``;
-* ``normed`` ``[M, K]`` (``h``) when ``emit_normed``, else ``[0, K]`` (the
+* ``summed`` (``s``, ``x``'s shape) when ``residual`` is given, else ``[0, K]``;
+* ``normed`` (``h``, ``x``'s shape) when ``emit_normed``, else ``[0, K]`` (the
   bf16 rows are not written when only FP8 projections read them);
 * ``q`` ``[M, K]`` e4m3 and ``scales`` ``[M, ceil(K / group)]`` fp32,
   column-major (strides ``(1, M)``), what ``fp8_linear_quantized`` takes.
+
+``x`` keeps its leading dims so that a graph rewrite needs no reshape with
+symbolic sizes around the op (the norm's input is ``[batch, seq, K]``).
 
 This is the arithmetic of ``F.rms_norm(s, (K,), weight.to(s.dtype), eps)``
 as torch decomposes it (statistics in fp32, one rounding after the weight).
@@ -37,7 +40,9 @@ inputs only.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import torch
 from torch import Tensor
@@ -55,8 +60,10 @@ def check_rms_norm_quantize(x, residual, weight, eps, group) -> None:
         raise ValueError(f"cpgraph.{OP}: argument 'group' must be a positive int, got {group!r}")
     if not isinstance(eps, float) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"cpgraph.{OP}: argument 'eps' must be a finite float >= 0, got {eps!r}")
-    check_tensor(OP, "x", x, dtype=FLOATS, ndim=2)
-    k = x.shape[1]
+    check_tensor(OP, "x", x, dtype=FLOATS)
+    if x.dim() < 2:
+        raise ValueError(f"cpgraph.{OP}: argument 'x' must be [..., K] with rows, got shape {tuple(x.shape)}")
+    k = x.shape[-1]
     if isinstance(k, int) and k == 0:
         raise ValueError(f"cpgraph.{OP}: argument 'x' must have at least one column, got shape {tuple(x.shape)}")
     if residual is not None:
@@ -65,14 +72,19 @@ def check_rms_norm_quantize(x, residual, weight, eps, group) -> None:
     check_same_device(OP, x=x, residual=residual, weight=weight)
 
 
+def rows_of(x):
+    """``M``: the product of ``x``'s leading dims (ints or SymInts)."""
+    return functools.reduce(operator.mul, x.shape[:-1], 1)
+
+
 def rms_norm_quantize_reference(x, residual, weight, eps, group, pow2, emit_normed):
     """The contract in torch ops (the oracle; CPU's provider)."""
     s = x + residual if residual is not None else x
     sf = s.to(torch.float32)
     rstd = torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
     h = (sf * rstd * weight.to(torch.float32)).to(x.dtype)
-    q, scales = quantize_activations_reference(h, group, pow2)
-    empty = x.new_empty((0, x.shape[1]))
+    q, scales = quantize_activations_reference(h.reshape(-1, x.shape[-1]), group, pow2)
+    empty = x.new_empty((0, x.shape[-1]))
     return (s if residual is not None else empty), (h if emit_normed else empty.clone()), q, scales
 
 
@@ -92,10 +104,10 @@ def fp8_rms_norm_quantize(
 @fp8_rms_norm_quantize.register_fake
 def _fp8_rms_norm_quantize_fake(x, residual, weight, eps, group, pow2, emit_normed):
     check_rms_norm_quantize(x, residual, weight, eps, group)
-    m, k = x.shape
-    summed = x.new_empty((m if residual is not None else 0, k))
-    normed = x.new_empty((m if emit_normed else 0, k))
+    m, k = rows_of(x), x.shape[-1]
+    summed = x.new_empty(x.shape if residual is not None else (0, k))
+    normed = x.new_empty(x.shape if emit_normed else (0, k))
     return summed, normed, x.new_empty((m, k), dtype=FP8), x.new_empty((ceil_div(k, group), m), dtype=torch.float32).t()
 
 
-__all__ = ["fp8_rms_norm_quantize", "rms_norm_quantize_reference", "check_rms_norm_quantize"]
+__all__ = ["fp8_rms_norm_quantize", "rms_norm_quantize_reference", "check_rms_norm_quantize", "rows_of"]

@@ -212,17 +212,19 @@ def _rewrite(graph, site, x, match: NormMatch) -> None:
         weight = match.weight
         if order[weight] > order[first]:  # the cast, repeated in time (_placeable)
             weight = insert_call(graph, weight.target, weight.args, dict(weight.kwargs))
-        flat = [_flat(graph, t, k) for t in (match.residual or (match.s,))]
-        residual = flat[1] if match.residual is not None else None
-        fused = insert_call(graph, ops.fp8_rms_norm_quantize.default,
-                            (flat[0], residual, weight, match.eps, group, pow2, emit))
+        # The op keeps the leading dims of its input ([..., K]), so no reshape with symbolic sizes is needed.
+        x_in, residual = match.residual if match.residual is not None else (match.s, None)
+        fused = insert_call(graph, ops.fp8_rms_norm_quantize.default, (x_in, residual, weight, match.eps, group,
+                                                                      pow2, emit))
         summed, normed, codes, scales = (insert_call(graph, operator.getitem, (fused, i)) for i in range(4))
-        if readers.summed:
-            _redirect(graph, readers.summed, match.s, summed)
-        if readers.normed:
-            _redirect(graph, readers.normed, match.out, normed)
-        for u in readers.flat:
-            u.replace_input_with(x, normed)
+        for u in readers.summed:
+            u.replace_input_with(match.s, summed)
+        for u in readers.normed:
+            u.replace_input_with(match.out, normed)
+        if readers.flat:
+            flat = insert_call(graph, aten.reshape.default, (normed, [-1, k]))
+            for u in readers.flat:
+                u.replace_input_with(x, flat)
     if is_op(site, _QUANT):
         for user in list(site.users):  # getitem(site, 0 | 1)
             user.replace_all_uses_with(codes if user.args[1] == 0 else scales)
@@ -234,20 +236,6 @@ def _rewrite(graph, site, x, match: NormMatch) -> None:
                               (codes, scales, w, ws, block_n, block_k, tensor_val(site).dtype))
         site.replace_all_uses_with(new)
     graph.erase_node(site)
-
-
-def _redirect(graph, users, old, flat_new) -> None:
-    """Point ``users`` from ``old`` to ``flat_new`` (``[rows, K]``) viewed in ``old``'s shape."""
-    shape = list(tensor_val(old).shape)
-    new = flat_new if len(shape) == 2 else insert_call(graph, aten.reshape.default, (flat_new, shape))
-    for u in users:
-        u.replace_input_with(old, new)
-
-
-def _flat(graph, node, k):
-    """``node`` as ``[rows, k]`` (a view: the norm's inputs are contiguous or reshaped to be)."""
-    val = tensor_val(node)
-    return node if val.dim() == 2 else insert_call(graph, aten.reshape.default, (node, [-1, k]))
 
 
 def _site_recipe(site):

@@ -72,18 +72,31 @@ def test_outputs_not_asked_for_are_empty():
     assert torch.equal(q.view(U8), full[2].view(U8)) and torch.equal(s, full[3])
 
 
-@pytest.mark.parametrize("m,k,dtype,res,w_dtype", [(1, 200, torch.bfloat16, True, None), (5, 256, torch.float32, False, None),
-                                                   (33, 96, torch.float16, True, torch.float32)])
-def test_opcheck(m, k, dtype, res, w_dtype):
+@pytest.mark.parametrize("m,k,dtype,res,w_dtype,lead", [(1, 200, torch.bfloat16, True, None, ()),
+                                                        (5, 256, torch.float32, False, None, ()),
+                                                        (33, 96, torch.float16, True, torch.float32, ()),
+                                                        (12, 128, torch.bfloat16, True, None, (3, 4))])
+def test_opcheck(m, k, dtype, res, w_dtype, lead):
     """opcheck with dynamic shapes, minus ``test_schema`` (its mutation check multiplies the outputs: no e4m3
-    ``mul`` on CPU); the inputs are checked to stay bit-identical directly."""
+    ``mul`` on CPU); the inputs are checked to stay bit-identical directly.  ``lead``: ``x`` as ``[..., K]``."""
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     x, r, w = inputs(m, k, dtype, seed=m, residual=res, w_dtype=w_dtype)
+    if lead:
+        x, r = x.reshape(*lead, k), r.reshape(*lead, k)
     for emit in (True, False):
         opcheck(ops.fp8_rms_norm_quantize.default, (x, r, w, 1e-6, 64, emit, emit), test_utils=checks)
     before = [t.clone() for t in (x, r, w) if t is not None]
     ops.fp8_rms_norm_quantize(x, r, w, 1e-6, 64, True, True)
     assert all(torch.equal(a, b) for a, b in zip(before, [t for t in (x, r, w) if t is not None]))
+
+
+def test_leading_dims_are_kept_for_the_rows_and_flattened_for_the_codes():
+    x, r, w = inputs(6, 256)
+    flat = ops.fp8_rms_norm_quantize(x, r, w, 1e-6, 128, True, True)
+    summed, normed, q, s = ops.fp8_rms_norm_quantize(x.view(2, 3, 256), r.view(2, 3, 256), w, 1e-6, 128, True, True)
+    assert summed.shape == normed.shape == (2, 3, 256) and q.shape == (6, 256) and s.shape == (6, 2)
+    assert torch.equal(summed.view(6, 256), flat[0]) and torch.equal(q.view(U8), flat[2].view(U8))
+    assert torch.equal(normed.view(6, 256), flat[1]) and torch.equal(s, flat[3])
 
 
 def test_no_rows():
@@ -93,7 +106,7 @@ def test_no_rows():
 
 
 @pytest.mark.parametrize("change,needle", [
-    (lambda a: {**a, "x": a["x"][0]}, "'x' must be 2-D"),
+    (lambda a: {**a, "x": a["x"][0], "residual": None}, "'x' must be \\[..., K\\] with rows"),
     (lambda a: {**a, "x": a["x"].to(torch.int32)}, "'x' must have dtype"),
     (lambda a: {**a, "residual": a["residual"][:, :8]}, "'residual' must have shape"),
     (lambda a: {**a, "residual": a["residual"].float()}, "'residual' must have dtype bfloat16"),
@@ -135,6 +148,18 @@ def test_kernel_matches_the_reference(m, k, group, dtype, res, emit, pow2):
     want_q, want_s = codes_of(h, group, pow2)  # the codes are those of the h returned, bit for bit
     assert torch.equal(q.cpu().view(U8), want_q) and torch.equal(s.cpu(), want_s)
     assert s.stride() == (1, m)
+
+
+@needs_kernels
+def test_kernel_keeps_the_leading_dims():
+    from cpgraph.kernels.norm_quant import rms_norm_quantize
+
+    x, r, w = inputs(6, 256, device=kernel_device())
+    flat = rms_norm_quantize(x, r, w, 1e-6, 128, True, True)
+    nd = rms_norm_quantize(x.view(3, 2, 256), r.view(3, 2, 256), w, 1e-6, 128, True, True)
+    assert nd[0].shape == nd[1].shape == (3, 2, 256) and nd[2].shape == (6, 256)
+    for a, b in zip(nd, flat):
+        assert torch.equal(a.reshape(b.shape).contiguous().view(U8), b.contiguous().view(U8))
 
 
 @needs_kernels

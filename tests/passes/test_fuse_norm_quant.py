@@ -105,13 +105,10 @@ def test_residual_add_norm_and_quantisation_become_one_op():
     assert op_counts(gm.graph, "cpgraph.") == {"cpgraph.fp8_rms_norm_quantize": 1, "cpgraph.fp8_linear_quantized": 2}
     assert not op_counts(gm.graph, "aten.rsqrt")  # the unfused norm is gone
     expecttest.assert_expected_inline(normalized_graph(gm.graph, keep=("cpgraph.", "aten.reshape", "aten.mul")), """\
-v0 = aten.reshape(in0, [-1, 256])
-v1 = aten.reshape(in1, [-1, 256])
-v2 = cpgraph.fp8_rms_norm_quantize(v0, v1, _, 1e-06, 128, True, False)
-v3 = aten.reshape(v2[0], [2, 5, 256])
-v4 = cpgraph.fp8_linear_quantized(v2[2], v2[3], in3, in4, 128, 128, bfloat16)
-v5 = cpgraph.fp8_linear_quantized(v2[2], v2[3], in5, in6, 128, 128, bfloat16)
-v6 = aten.mul(v3, 2)""")
+v0 = cpgraph.fp8_rms_norm_quantize(in0, in1, _, 1e-06, 128, True, False)
+v1 = cpgraph.fp8_linear_quantized(v0[2], v0[3], in3, in4, 128, 128, bfloat16)
+v2 = cpgraph.fp8_linear_quantized(v0[2], v0[3], in5, in6, 128, 128, bfloat16)
+v3 = aten.mul(v0[0], 2)""")
     want = call(traced(attention_block, args), args)
     got = call(gm, args)
     assert torch.equal(got[0], want[0])  # the residual stream: one rounding of an exact sum, no freedom
@@ -245,6 +242,24 @@ def test_other_activation_dtypes(dtype):
     got, want = call(gm, args), call(traced(attention_block, args), args)
     assert torch.equal(got[0], want[0])
     close_to_unfused(got[1:], want[1:])
+
+
+def test_dynamic_shapes_need_no_symbolic_reshape(recwarn):
+    """Compiled with dynamic sizes: the op takes the norm's ``[batch, seq, K]`` input as it is, so the rewrite puts
+    no raw SymInt into the graph (FX warns about those), and two batch shapes run from one graph."""
+    from cpgraph.passes import compile
+
+    torch._dynamo.reset()
+    fn = compile(attention_block, backend="aot_eager", dynamic=True)
+    for b, s in ((2, 5), (3, 7)):
+        args = layer_inputs(b=b, s=s)
+        got = fn(*args)
+        want = attention_block(*args)
+        assert torch.equal(got[0], want[0])
+        close_to_unfused(got[1:], want[1:])
+    torch._dynamo.reset()
+    assert fn.cpgraph_passes.counts_after("fuse_norm_into_quantization")["cpgraph.fp8_rms_norm_quantize"] == 1
+    assert not [w for w in recwarn if "SymInt" in str(w.message)]
 
 
 def test_runs_in_the_default_pipeline_after_sharing():
