@@ -45,13 +45,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .cleanup import sort_topologically
 from .config import CPConfig
 from .expert_parallel import dispatch_moe_experts
-from .fx_utils import find_nodes, insert_call, is_op
+from .fx_utils import VIEW_OPS, find_nodes, insert_call, is_op
 from .graph_facts import PassMatchError, module_regions, order_of, row_windows, tensor_val
 
 
 # Position of ``num_valid`` in ``cpgraph::moe_experts(x, topk_ids, topk_w, gate_up, down, num_valid, ...)``.
 _NUM_VALID = 5
-_ROW_VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
 
 
 def _region_io(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -77,7 +76,7 @@ def _rows_of(node, xc: fx.Node) -> bool:
     for _ in range(8):
         if node is xc:
             return True
-        if not (isinstance(node, fx.Node) and is_op(node, *_ROW_VIEWS)):
+        if not (isinstance(node, fx.Node) and is_op(node, *VIEW_OPS)):
             return False
         v, src = tensor_val(node), tensor_val(node.args[0])
         if v is None or src is None or v.dim() < 1 or src.dim() < 1:

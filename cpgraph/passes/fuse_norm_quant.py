@@ -14,10 +14,11 @@ Rewrite, where the input of an ``fp8_quantize_activations`` (left by
 (a flattening view of) an RMSNorm as torch decomposes ``F.rms_norm``, and
 the norm's input is, optionally, a same-shape residual add::
 
-    s  = a + b                                      s2, h2, q, sc = fp8_rms_norm_quantize(a2, b2, w, eps, g, p, emit)
+    s  = a + b                                      s2, h2, q, sc = fp8_rms_norm_quantize(a, b, w, eps, g, p, emit)
     h  = rms_norm(s) * w        (decomposed)   ->   y1 = fp8_linear_quantized(q, sc, w1, s1, ...)
-    q, sc = fp8_quantize_activations(h2d, g, p)     (s's other readers read s2; h's, h2, only if there are any)
-    y1 = fp8_linear_quantized(q, sc, w1, s1, ...)
+    q, sc = fp8_quantize_activations(h.view(-1, K), g, p)
+    y1 = fp8_linear_quantized(q, sc, w1, s1, ...)   (s's other readers read s2; h's read h2, which is written
+                                                     only if there are any: emit)
 
 The unfused norm, left without readers, is removed.  Numerics: the codes are
 those of the ``h`` the op returns; that ``h`` may differ from the unfused
@@ -43,12 +44,11 @@ import torch.fx as fx
 
 from .cleanup import eliminate_dead_code
 from .config import CPConfig
-from .fx_utils import find_nodes, insert_call, is_op, op_of
+from .fx_utils import FP8_LINEAR_ARGS, FP8_QUANTIZE_ARGS, VIEW_OPS, call_args, find_nodes, insert_call, is_op, op_of
 from .graph_facts import order_of, tensor_val
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
 _QUANT, _LINEAR = "cpgraph.fp8_quantize_activations", "cpgraph.fp8_block_linear"
 
 
@@ -70,7 +70,7 @@ def fuse_norm_into_quantization(gm: fx.GraphModule, cfg: CPConfig | None = None)
     graph = gm.graph
     eliminate_dead_code(gm)  # views left without readers by share_activation_quantization are not readers of h
     for site in find_nodes(graph, _QUANT, _LINEAR):
-        x = site.args[0]
+        x = _site_recipe(site)[0]
         match = match_rms_norm(x)
         if match is None or not _placeable(graph, match, site, x):
             continue
@@ -108,7 +108,7 @@ def match_rms_norm(x) -> NormMatch | None:
         return None
     xval = tensor_val(x)
     out = x
-    while is_op(out, *_VIEWS) and isinstance(out.args[0], fx.Node):
+    while is_op(out, *VIEW_OPS) and isinstance(out.args[0], fx.Node):
         out = out.args[0]
     oval = tensor_val(out)
     if xval is None or oval is None or oval.dtype not in _FLOATS or xval.dim() != 2 or oval.dim() < 1:
@@ -230,7 +230,7 @@ def _rewrite(graph, site, x, match: NormMatch) -> None:
             user.replace_all_uses_with(codes if user.args[1] == 0 else scales)
             graph.erase_node(user)
     else:
-        _x, w, ws, block_n, block_k, _p = _linear_args(site)
+        _x, w, ws, block_n, block_k, _p = call_args(site, FP8_LINEAR_ARGS)
         with graph.inserting_before(site):
             new = insert_call(graph, ops.fp8_linear_quantized.default,
                               (codes, scales, w, ws, block_n, block_k, tensor_val(site).dtype))
@@ -241,15 +241,9 @@ def _rewrite(graph, site, x, match: NormMatch) -> None:
 def _site_recipe(site):
     """``(x, group, pow2)`` the site quantises with."""
     if is_op(site, _QUANT):
-        names = ("x", "group", "pow2")
-        return tuple(list(site.args) + [site.kwargs[n] for n in names[len(site.args):]])
-    x, _w, _ws, _bn, block_k, pow2 = _linear_args(site)
+        return call_args(site, FP8_QUANTIZE_ARGS)
+    x, _w, _ws, _bn, block_k, pow2 = call_args(site, FP8_LINEAR_ARGS)
     return x, block_k, pow2
-
-
-def _linear_args(site):
-    names = ("x", "weight", "weight_scale_inv", "block_n", "block_k", "act_scale_pow2")
-    return tuple(list(site.args) + [site.kwargs[n] for n in names[len(site.args):]])
 
 
 __all__ = ["fuse_norm_into_quantization", "match_rms_norm", "NormMatch"]

@@ -44,6 +44,18 @@ def is_op(node: fx.Node, *names: str) -> bool:
     return op is not None and op_name(op) in names
 
 
+# Ops that only reinterpret a tensor's shape (what a flattening ``x.reshape(-1, K)`` becomes in an ATen graph).
+VIEW_OPS = ("aten.view", "aten.reshape", "aten._unsafe_view")
+
+FP8_LINEAR_ARGS = ("x", "weight", "weight_scale_inv", "block_n", "block_k", "act_scale_pow2")
+FP8_QUANTIZE_ARGS = ("x", "group", "pow2")
+
+
+def call_args(node: fx.Node, names: tuple[str, ...]) -> tuple:
+    """``node``'s arguments in schema order ``names``, whether passed by position or by keyword."""
+    return tuple(list(node.args) + [node.kwargs[n] for n in names[len(node.args):]])
+
+
 def find_nodes(graph: fx.Graph, *names: str) -> list[fx.Node]:
     return [n for n in graph.nodes if is_op(n, *names)]
 

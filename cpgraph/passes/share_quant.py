@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from .config import CPConfig
-from .fx_utils import find_nodes, insert_call, is_op
+from .fx_utils import FP8_LINEAR_ARGS, VIEW_OPS, call_args, find_nodes, insert_call, is_op
 from .graph_facts import order_of, tensor_val
 
 _LINEAR = "cpgraph.fp8_block_linear"
@@ -70,14 +70,11 @@ def share_activation_quantization(gm: fx.GraphModule, cfg: CPConfig | None = Non
     return gm
 
 
-_VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
-
-
 def _same_values(x: fx.Node):
     """A key equal for nodes that hold the same values: each projection flattens its input with a view of its
     own (``x.reshape(-1, K)``), so two calls on one activation see two view nodes of one base."""
     base = x
-    while is_op(base, *_VIEWS) and isinstance(base.args[0], fx.Node):
+    while is_op(base, *VIEW_OPS) and isinstance(base.args[0], fx.Node):
         base = base.args[0]
     val = tensor_val(x)
     if base is x or val is None:  # no view, or one whose shape is unknown: only the node itself matches
@@ -86,6 +83,4 @@ def _same_values(x: fx.Node):
 
 
 def _args(node: fx.Node) -> tuple:
-    names = ("x", "weight", "weight_scale_inv", "block_n", "block_k", "act_scale_pow2")
-    args = list(node.args) + [node.kwargs[n] for n in names[len(node.args):]]
-    return tuple(args)
+    return call_args(node, FP8_LINEAR_ARGS)
