@@ -384,6 +384,8 @@ CATEGORIES = (
     ("routed experts", r"(?i)group(ed)?_?(mm|gemm)|GroupProblemShape|_swiglu_quant_kernel|_combine_kernel"
                        r"|cpgraph::(invariant_)?moe_experts|^_grouped_kernel$|deep_gemm::GemmType\)[125]\b"),
     ("query assembly", r"^triton_\w*fused\w*_cat"),
+    # _quantize_kernel also names _rms_norm_quantize_kernel: the residual add + norm that quantises for the FP8
+    # projections (its bf16 forward counterpart, Inductor's add + norm, is "other")
     ("dense linears", r"(?i)nvjet|gemm|gemv|xmma|cutlass|cublas|scaled_mm|_quantize_kernel"
                       r"|aten::(mm|addmm|bmm|matmul|linear)$|cpgraph::fp8_block_linear|cpgraph::invariant_(mm|fp8_linear)"
                       r"|^_mm_kernel$"),

@@ -74,6 +74,7 @@ def test_flop_parts_match_independent_arithmetic():
     ("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NTT", "dense linears"),
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "dense linears"),
     ("_quantize_kernel", "dense linears"),
+    ("_rms_norm_quantize_kernel", "dense linears"),  # the add + norm that quantises for the FP8 projections
     ("_mm_kernel", "dense linears"),  # deterministic mode's invariant GEMM
     ("_grouped_kernel", "routed experts"),  # and its grouped experts
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_3", "other"),
