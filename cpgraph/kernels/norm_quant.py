@@ -36,7 +36,6 @@ from ._launch import interpreting
 from .fp8_linear import quantize_group, store_e4m3
 
 
-
 @triton.jit
 def _row_tile(x, res, row_x, row_r, cols, ok, KIND: tl.constexpr, HAS_RES: tl.constexpr):
     """``s`` of one tile: ``x`` (+ the residual, rounded to the activation dtype)."""
