@@ -32,7 +32,6 @@ from ._launch import Launcher
 from .move import interpreting
 
 
-
 def _operand(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Row-contiguous operand and its kind (bf16 is passed as its int16 bits)."""
     if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:

@@ -51,7 +51,6 @@ from .fp8_linear import _k_step, quantize_activations, quantize_group, store_e4m
 from .moe_combine import combine
 
 
-
 @triton.jit
 def _tile_of(group_ends, t, E, C, EP: tl.constexpr, BM: tl.constexpr):
     """Row tile ``t`` of the grouped problem -> ``(expert, first row, row end, live)``, all from the device.

@@ -26,7 +26,6 @@ from ._bits import KINDS, KIND_BF16, load_f32, round_to_kind, store_f32_as
 from ._launch import interpreting
 
 
-
 @triton.jit
 def _swiglu_kernel(h, group_ends, out, C, I, E, stride_h, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                    KIND: tl.constexpr):  # fmt: skip

@@ -463,7 +463,6 @@ def test_expert_parallel_pass_keeps_the_fp8_experts_scales(ds_checkpoint):
         assert {"gate_up_scale", "down_scale", "block_n", "block_k"} <= set(kw), kw
 
 
-
 def with_and_without(ds_checkpoint, pass_name: str):
     """Logits of the FP8 model compiled with and without ``pass_name`` (aot_eager), and the pass's change to the
     ``cpgraph.*`` op counts (once: the compile without it has no entry)."""
