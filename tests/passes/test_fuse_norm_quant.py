@@ -266,3 +266,26 @@ def test_runs_in_the_default_pipeline_after_sharing():
     names = [n for n, _ in default_passes()]
     assert names.index("share_activation_quantization") < names.index("fuse_norm_into_quantization") \
         < names.index("lower_cp_collectives") < names.index("eliminate_dead_code")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inductor_on_cuda_runs_the_fused_kernel_and_stays_close():
+    """On a GPU through Inductor: the fused op is in the compiled graph, its Triton provider computed it (the
+    provider report), and the outputs stay within an FP8 step of the same compile without the pass."""
+    from cpgraph.ops.providers import reset_calls, selected
+    from cpgraph.passes import compile
+
+    args = tuple(t.cuda() for t in layer_inputs(b=4, s=96))
+    outs = {}
+    for disabled in ((), ("fuse_norm_into_quantization",)):
+        torch._dynamo.reset()
+        reset_calls()
+        fn = compile(attention_block, CPConfig(disabled_passes=disabled), backend="inductor")
+        outs[disabled] = fn(*args)
+        if not disabled:
+            assert fn.cpgraph_passes.counts_after("fuse_norm_into_quantization")["cpgraph.fp8_rms_norm_quantize"] == 1
+            assert selected("cuda").get("fp8_rms_norm_quantize") == "triton", selected("cuda")
+    torch._dynamo.reset()
+    fused, plain = outs[()], outs[("fuse_norm_into_quantization",)]
+    assert torch.equal(fused[0], plain[0])
+    close_to_unfused(fused[1:], plain[1:])
