@@ -68,6 +68,8 @@ def fuse_norm_into_quantization(gm: fx.GraphModule, cfg: CPConfig | None = None)
     if cfg is not None and cfg.deterministic:
         return gm
     graph = gm.graph
+    if not find_nodes(graph, _QUANT, _LINEAR):  # no FP8 projection (a bf16 model): nothing to look at
+        return gm
     eliminate_dead_code(gm)  # views left without readers by share_activation_quantization are not readers of h
     for site in find_nodes(graph, _QUANT, _LINEAR):
         x = _site_recipe(site)[0]
