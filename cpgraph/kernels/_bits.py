@@ -25,6 +25,12 @@ KIND_F16 = 2
 KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}  # dtype -> kind
 
 
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor as the kernels take it: bf16 as its int16 bit pattern (``load_f32`` / ``store_f32_as``
+    with ``KIND_BF16``), other dtypes as they are."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
 @triton.jit
 def load_f32(ptrs, mask, KIND: tl.constexpr):
     """Load floats of operand kind ``KIND`` and widen them to fp32 (exact)."""

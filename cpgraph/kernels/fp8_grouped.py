@@ -45,7 +45,7 @@ from cpgraph.ops.moe import dispatch_plan, moe_experts_fp8_reference
 from cpgraph.ops.providers import REFERENCE
 
 from .provider_name import PROVIDER_NAME
-from ._bits import KINDS, load_f32, store_f32_as
+from ._bits import KINDS, bits_view, load_f32, store_f32_as
 from ._launch import interpreting
 from .fp8_linear import _k_step, quantize_activations, quantize_group, store_e4m3
 from .moe_combine import combine
@@ -228,7 +228,7 @@ def grouped_gemm(a, a_scale, a_rows, b, b_scale, group_ends, block_n: int, block
     b_scale = b_scale.contiguous()
     row_tiles, col_tiles = triton.cdiv(rows, bm) + e, triton.cdiv(n, bn)
     grid = (row_tiles * col_tiles,) if group_t > 1 else (row_tiles, col_tiles)
-    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    dst = bits_view(out)
     _grouped_gemm_kernel[grid](
         a.contiguous(), a_scale, a_rows if a_rows is not None else group_ends, b, b_scale, group_ends, dst,
         n, k, e, rows, a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), b_scale.shape[2],
@@ -278,7 +278,7 @@ def swiglu_quantize(h: Tensor, group_ends: Tensor, group: int, pow2: bool) -> tu
         return q, scales
     hw = not interpreting()
     rows = 4 if interpreting() else max(1, min(16, 4096 // triton.next_power_of_2(group)))
-    src = h.view(torch.int16) if h.dtype == torch.bfloat16 else h
+    src = bits_view(h)
     _swiglu_quant_kernel[(triton.cdiv(c, rows), groups)](
         src, group_ends, q if hw else q.view(torch.uint8), scales, c, i, group_ends.numel(), h.stride(0),
         GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=KINDS[h.dtype],

@@ -54,7 +54,7 @@ from cpgraph.ops.fp8_linear import (
 )
 
 from . import deep_gemm_lib
-from ._bits import KINDS, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
+from ._bits import KINDS, bits_view, e4m3_bits, exp2_f32, load_f32, pow2_exponent, store_f32_as
 from ._launch import interpreting
 
 BACKEND_ENV = "CPGRAPH_FP8_LINEAR"
@@ -135,7 +135,7 @@ def quantize_activations(x: torch.Tensor, group: int, pow2: bool, *, scales_colu
         return q, scales
     hw = not interpreting()
     rows = 4 if interpreting() else max(1, min(16, 4096 // triton.next_power_of_2(group)))
-    src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+    src = bits_view(x)
     _quantize_kernel[(triton.cdiv(m, rows), groups)](
         src, q if hw else q.view(torch.uint8), scales, m, k, x.stride(0), scales.stride(0), scales.stride(1),
         GROUP=group, GP=triton.next_power_of_2(group), ROWS=rows, POW2=bool(pow2), KIND=KINDS[x.dtype],
@@ -248,7 +248,7 @@ def block_scaled_gemm(xq, xs, w, ws, block_n: int, block_k: int, out_dtype, *, t
         return out
     bm, bn, warps, stages = tiles or _tiles(m)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    dst = bits_view(out)
     _gemm_kernel[grid](
         xq, xs, w.contiguous(), ws.contiguous(), dst, m, n, k, xs.stride(0), xs.stride(1), ws.shape[1],
         BLOCK_N_Q=block_n, BM=bm, BN=bn, BK=block_k, GROUP_M=group_m, OUT_KIND=KINDS[out_dtype],

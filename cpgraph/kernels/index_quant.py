@@ -55,7 +55,7 @@ import triton.language as tl
 
 from cpgraph.ops import ledger
 
-from ._bits import KINDS, e4m3_bits, load_f32, pow2_exponent, store_f32_as
+from ._bits import KINDS, bits_view, e4m3_bits, load_f32, pow2_exponent, store_f32_as
 from ._launch import Launcher, interpreting
 from .codecs import _quantize_tile
 from .provider_name import PROVIDER_NAME
@@ -74,11 +74,6 @@ def _tile(op: str, row_values: int, n: int, tile) -> tuple[int, int]:
         values = 1 << 18  # the interpreter's cost is per program
     rows = max(1, min(triton.next_power_of_2(max(n, 1)), values // row_values))
     return rows, warps
-
-
-def _bits_view(t: torch.Tensor) -> torch.Tensor:
-    """bf16 as its int16 bits, other dtypes as they are (the kernels load through ``load_f32``)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def _too_wide(op: str, x: torch.Tensor, d: int) -> bool:
@@ -123,7 +118,7 @@ def hadamard(x: torch.Tensor, tile=None) -> torch.Tensor:
     rows, warps = _tile("hadamard", d, n, tile)
     _HADAMARD(
         (triton.cdiv(n, rows),),
-        [_bits_view(x2), _bits_view(out), n, x2.stride(0) if n > 1 else d, d**-0.5, KINDS[x.dtype], d,
+        [bits_view(x2), bits_view(out), n, x2.stride(0) if n > 1 else d, d**-0.5, KINDS[x.dtype], d,
          d.bit_length() - 1, rows],
         warps,
     )  # fmt: skip
@@ -163,7 +158,7 @@ def index_k_quant(keys: torch.Tensor, tile=None) -> tuple[torch.Tensor, torch.Te
     rows, warps = _tile("index_k_quant", nbp * 128, n, tile)
     _INDEX_K_QUANT(
         (triton.cdiv(n, rows),),
-        [_bits_view(k), out, scales.view(torch.int32), n, k.stride(0) if n > 1 else d, KINDS[keys.dtype], d, nb,
+        [bits_view(k), out, scales.view(torch.int32), n, k.stride(0) if n > 1 else d, KINDS[keys.dtype], d, nb,
          nbp, rows],
         warps,
     )  # fmt: skip
@@ -215,7 +210,7 @@ def indexer_q_quant(q: torch.Tensor, weights: torch.Tensor, tile=None) -> tuple[
     rows, warps = _tile("indexer_q_quant", dp, n, tile)
     _Q_QUANT(
         (triton.cdiv(n, rows),),
-        [_bits_view(qq), weights, out, w_out, n, h, qq.stride(0), qq.stride(1), weights.stride(0), weights.stride(1),
+        [bits_view(qq), weights, out, w_out, n, h, qq.stride(0), qq.stride(1), weights.stride(0), weights.stride(1),
          KINDS[q.dtype], d, dp, rows],
         warps,
     )  # fmt: skip

@@ -52,7 +52,7 @@ from torch import Tensor
 from cpgraph.ops import ledger
 from cpgraph.ops.invariant import check_invariant_mm, invariant_fp8_linear_reference, out_shape
 
-from ._bits import KINDS, load_f32, store_f32_as
+from ._bits import KINDS, bits_view, load_f32, store_f32_as
 from ._launch import interpreting
 from .fp8_grouped import GROUP_T, _tile_of, grouped_gemm, swiglu_quantize
 from .fp8_linear import block_scaled_gemm, quantize_activations
@@ -177,11 +177,6 @@ def _mm_kernel(
     store_f32_as(out + batch * so_b + rm[:, None] * so_m + rn[None, :] * so_n, acc, ok, OUT_KIND)
 
 
-def _bits_view(t: Tensor) -> Tensor:
-    """bf16 as its int16 bit pattern (what :func:`cpgraph.kernels._bits.load_f32` / ``store_f32_as`` take)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, *,
            out: Tensor | None = None) -> Tensor:
     """``alpha * a @ b + beta * bias`` (2-D or batched 3-D, any strides) into ``out`` (any strides) or a new tensor.
@@ -213,10 +208,10 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         c3 = o3  # never read
     bm, bn, bk, warps, stages = tiles(n, k, a.dtype)
     bits = interpreting() and a.dtype == torch.bfloat16
-    av, bv = (_bits_view(a3), _bits_view(b3)) if bits else (a3, b3)
+    av, bv = (bits_view(a3), bits_view(b3)) if bits else (a3, b3)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), batch)
     _mm_kernel[grid](
-        av, bv, _bits_view(c3), _bits_view(o3), m, n, k,
+        av, bv, bits_view(c3), bits_view(o3), m, n, k,
         a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
         c3.stride(0), c3.stride(1), c3.stride(2), o3.stride(0), o3.stride(1), o3.stride(2),
         float(alpha), float(beta),
@@ -293,8 +288,8 @@ def grouped_matmul(a: Tensor, a_rows: Tensor | None, b: Tensor, group_ends: Tens
     bits = interpreting() and a.dtype == torch.bfloat16
     grid = (triton.cdiv(rows, bm) + e, triton.cdiv(n, bn))
     _grouped_kernel[grid](
-        _bits_view(a) if bits else a, a_rows if a_rows is not None else group_ends, _bits_view(b) if bits else b,
-        group_ends, _bits_view(out), n, k, e, rows, a.stride(0), b.stride(0), b.stride(1), b.stride(2),
+        bits_view(a) if bits else a, a_rows if a_rows is not None else group_ends, bits_view(b) if bits else b,
+        group_ends, bits_view(out), n, k, e, rows, a.stride(0), b.stride(0), b.stride(1), b.stride(2),
         EP=max(16, triton.next_power_of_2(e)), GATHER=a_rows is not None, BM=bm, BN=bn, BK=bk,
         KIND=KINDS[a.dtype], BITS=bits, IEEE=a.dtype == torch.float32, LOOP_WHILE=interpreting(),
         num_warps=warps, num_stages=stages,

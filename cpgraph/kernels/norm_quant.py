@@ -31,7 +31,7 @@ import triton.language as tl
 from cpgraph.ops.fp8_linear import ceil_div
 from cpgraph.ops.norm_quant import check_rms_norm_quantize
 
-from ._bits import KINDS, load_f32, round_to_kind, store_f32_as
+from ._bits import KINDS, bits_view, load_f32, round_to_kind, store_f32_as
 from ._launch import interpreting
 from .fp8_linear import quantize_group, store_e4m3
 
@@ -131,11 +131,6 @@ def _rms_norm_quantize_kernel(
                                GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors go to the kernel as their int16 bit patterns (the interpreter has no bf16)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 ROW_VALUES = 8192  # rows up to this many values (in whole groups, a power of two of them) take one sweep
 TILE_VALUES = 2048  # the tile of the two sweeps past that (16 groups of 128)
 
@@ -176,8 +171,8 @@ def rms_norm_quantize(x, residual, weight, eps: float, group: int, pow2: bool, e
         num_warps = 8 if one_sweep and row_groups * gp > 4096 else 4
     res = residual if residual is not None else x
     _rms_norm_quantize_kernel[(m,)](
-        _bits(x), _bits(res), _bits(weight), _bits(summed if residual is not None else x),
-        _bits(normed if emit_normed else x), q if hw else q.view(torch.uint8), scales,
+        bits_view(x), bits_view(res), bits_view(weight), bits_view(summed if residual is not None else x),
+        bits_view(normed if emit_normed else x), q if hw else q.view(torch.uint8), scales,
         m, k, float(k), groups, x.stride(0), res.stride(0), float(eps),
         GROUP=group, GP=gp, TG=tile_groups, POW2=bool(pow2), KIND=KINDS[x.dtype], W_KIND=KINDS[weight.dtype],
         HAS_RES=residual is not None, EMIT_NORMED=bool(emit_normed), HW_CAST=hw, LOOP_WHILE=not hw,
