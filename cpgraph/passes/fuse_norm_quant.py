@@ -74,9 +74,11 @@ def fuse_norm_into_quantization(gm: fx.GraphModule, cfg: CPConfig | None = None)
     for site in find_nodes(graph, _QUANT, _LINEAR):
         x = _site_recipe(site)[0]
         match = match_rms_norm(x)
-        if match is None or not _placeable(graph, match, site, x):
+        if match is None:
             continue
-        _rewrite(graph, site, x, match)
+        order = order_of(graph)  # once per site: a rewrite inserts nodes
+        if _placeable(order, match, site, x):
+            _rewrite(graph, order, site, x, match)
     eliminate_dead_code(gm)  # the unfused norms
     graph.lint()
     gm.recompile()
@@ -190,20 +192,18 @@ def _readers(match: NormMatch, site, x) -> _Readers:
     return _Readers([u for u in match.out.users if u not in skip], flat, summed)
 
 
-def _placeable(graph, match: NormMatch, site, x) -> bool:
+def _placeable(order, match: NormMatch, site, x) -> bool:
     """The fused op goes right before the first node that reads one of its outputs; its inputs must precede it.
 
     The weight's cast to the activation dtype may come later (Inductor's decomposition puts it right before the
     multiply): a cast of a tensor defined in time is repeated at the fused op.
     """
-    order = order_of(graph)
     first = min(order[n] for n in _readers(match, site, x).all(site))
     weight = match.weight if order[match.weight] < first else _strip_cast(match.weight)
     return all(order[n] < first for n in (*(match.residual or (match.s,)), weight))
 
 
-def _rewrite(graph, site, x, match: NormMatch) -> None:
-    order = order_of(graph)
+def _rewrite(graph, order, site, x, match: NormMatch) -> None:
     ops = torch.ops.cpgraph
     readers = _readers(match, site, x)
     first = min(readers.all(site), key=order.__getitem__)
