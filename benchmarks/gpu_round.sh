@@ -116,8 +116,11 @@ forward)
     for t in $STATE/tuning.json $WHL/tuning.json; do
         [ -f "$t" ] && { TUNE=(env CPGRAPH_INDEXER_TUNING=$PWD/$t); echo "selection tuning: $t"; break; }
     done
+    # --replay: the indexer's first call replayed on its own arguments, rested and right after a forward, with the
+    # clocks of each window (is the FP8 scoring's loss in the forward its inputs or the GPU's state?)
     step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
-        --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --json "$OUT/production_32k.json"
+        --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --replay indexer_topk \
+        --json "$OUT/production_32k.json"
     # The dense FP8 linears' target at M = 4096 (and 32768 beside it), DeepGEMM's kernels and the fused SwiGLU
     # (their GPU tests are gated by needs_gpu, not the gpu marker: the whole files, CPU cases included)
     step fp8_gpu_tests python3 -m pytest -q tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \

@@ -114,6 +114,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpu_state  # noqa: E402  (clocks, power and throttle reasons of each timed window)
+import op_replay  # noqa: E402  (an op's provider replayed on the forward's own arguments)
 import vs_transformers as vt  # noqa: E402  (timing, the dense GEMM, forward_flops, log)
 from moe_bench import quantize_experts  # noqa: E402  (128 x 128 block quantisation of [E, N, K] stacks)
 
@@ -613,8 +615,11 @@ def _plan_row(plan) -> dict:
             "peak_phase": plan.peak_phase, "total": plan.total_bytes, "experts_provider": plan.experts_provider}
 
 
-def time_mode(fn, tokens: int, repeat: int, warmup: int) -> dict:
-    """First call (compiles a compiled forward), then the median of ``repeat`` timed calls; peak memory."""
+def time_mode(fn, tokens: int, repeat: int, warmup: int, gpu=None) -> dict:
+    """First call (compiles a compiled forward), then the median of ``repeat`` timed calls; peak memory.
+
+    ``gpu`` (a running :class:`gpu_state.GpuState`): the clocks, power and throttle reasons of the timed calls.
+    """
     cuda = vt.DEVICE == "cuda"
     vt.reset_peak()
     base = torch.cuda.memory_allocated() if cuda else 0
@@ -625,9 +630,12 @@ def time_mode(fn, tokens: int, repeat: int, warmup: int) -> dict:
     first_s = time.perf_counter() - t0
     compiles = unique_graphs() - before
     vt.reset_peak()
+    t0 = time.perf_counter()
     ms = vt.time_ms(fn, repeat, warmup=warmup)
     out = {"ms": ms, "tokens_per_s": tokens / (ms * 1e-3), "first_call_s": first_s, "graphs_compiled": compiles,
            "repeat": repeat}  # fmt: skip
+    if gpu is not None and gpu.available:
+        out["gpu"] = gpu.window(t0, time.perf_counter())
     if cuda:
         peak = torch.cuda.max_memory_allocated()
         out.update(peak_bytes=peak, activation_peak_bytes=peak - base)
@@ -727,11 +735,13 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
         eager_fn = lambda: model(ids, meta, mla, index).logits  # noqa: E731
         for mode in [m for m in ("eager", "compiled") if m in args.modes_list]:
             fn = compiled_fn if mode == "compiled" else eager_fn
-            got = _guarded(modes, mode, f"{case.name} {mode}", lambda fn=fn: time_mode(fn, tokens, repeat, warmup))
+            got = _guarded(modes, mode, f"{case.name} {mode}",
+                           lambda fn=fn: time_mode(fn, tokens, repeat, warmup, args.gpu_state))
             if got is not None:
                 modes[mode] = got
+                clocks = f"; {gpu_state.describe(got['gpu'])}" if "gpu" in got else ""
                 vt.log(f"  {case.name} {mode}: {got['ms']:.2f} ms, {got['tokens_per_s']:,.0f} tok/s, first call "
-                       f"{got['first_call_s']:.1f} s ({got['graphs_compiled']} graph(s) compiled)")  # fmt: skip
+                       f"{got['first_call_s']:.1f} s ({got['graphs_compiled']} graph(s) compiled){clocks}")  # fmt: skip
         if "ms" in modes.get("compiled", {}):
             seg = _guarded(row, "layer_segments", f"{case.name} per-layer times",
                            lambda: layer_segments(compiled_fn, cfg.num_hidden_layers))
@@ -748,6 +758,12 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
                     row["profile"] = prof
                     vt.log(f"  {case.name} profile: busy {prof['gpu_busy_ms']:.1f} ms of {prof['wall_ms']:.1f} ms wall; "
                            + ", ".join(f"{k} {v['ms']:.1f}" for k, v in prof["categories"].items()))  # fmt: skip
+            for op in args.replay_list:
+                got = _guarded(row.setdefault("replay", {}), op, f"{case.name} replay of {op}", lambda op=op: op_replay.replay_op(
+                    compiled_fn, op, vt.DEVICE, repeat=args.repeat, rest_s=args.replay_rest, state=args.gpu_state))  # fmt: skip
+                if got is not None:
+                    row["replay"][op] = got
+                    vt.log(f"  {case.name} " + op_replay.describe(got, gpu_state.describe))
         if deterministic is not None:
             det = _guarded(modes, "deterministic", f"{case.name} deterministic", lambda: time_deterministic(
                 deterministic, compiled_fn, lambda: deterministic(ids, meta, mla, index).logits, tokens, repeat, warmup,
@@ -940,7 +956,14 @@ def parse_args(argv=None):
                     help="cpu: a dry run of every code path at tiny sizes (figures meaningless)")
     ap.add_argument("--deterministic", action="store_true",
                     help="also time CPConfig(deterministic=True) against the default compile (mode deterministic)")
+    ap.add_argument("--replay", default="",
+                    help="comma list of cpgraph ops (e.g. indexer_topk) whose first call in the compiled forward is "
+                         "replayed alone on its own arguments, rested and right after a forward (op_replay.py)")
+    ap.add_argument("--replay-rest", type=float, default=2.0, help="idle seconds before the rested replay")
+    ap.add_argument("--no-gpu-state", action="store_true",
+                    help="do not sample the GPU's clocks, power and throttle reasons (gpu_state.py) during timings")
     args = ap.parse_args(argv)
+    args.replay_list = _split(args.replay)
     args.models_list = _split(args.models)
     args.variants_list = list(VARIANTS) if args.variants == "all" else _split(args.variants)
     args.cases_list = list(QUICK) if args.quick else _split(args.cases)
@@ -989,6 +1012,12 @@ def _run(args) -> int:
     from cpgraph.passes import CPConfig, compile as cp_compile
 
     bind_providers(args.device)  # the GPU providers, before anything is timed
+    args.gpu_state = None
+    if args.device == "cuda" and not args.no_gpu_state:
+        args.gpu_state = gpu_state.GpuState.start(torch.cuda.current_device())
+        vt.log("GPU state: " + ("clocks, power and throttle reasons sampled every "
+                                f"{args.gpu_state.period_s * 1e3:.0f} ms" if args.gpu_state.available
+                                else f"not sampled: {args.gpu_state.why}"))  # fmt: skip
     torch._dynamo.config.recompile_limit = max(64, getattr(torch._dynamo.config, "recompile_limit", 8))
     if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
         torch._dynamo.config.accumulated_recompile_limit = max(512, torch._dynamo.config.accumulated_recompile_limit)
@@ -1005,7 +1034,7 @@ def _run(args) -> int:
            f"{_fmt(gemm['fp8_tensorwise_tflops'], '.0f')} {gemm.get('fp8_tensorwise_skipped', '')}, FP8 blockwise "
            f"{_fmt(gemm['fp8_blockwise_tflops'], '.0f')} {gemm.get('fp8_blockwise_skipped', '')}")  # fmt: skip
     meta = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "gemm": gemm,
-            "args": {k: v for k, v in vars(args).items()}, "flop_formula": "see benchmarks/production_shape.py",
+            "args": {k: v for k, v in vars(args).items() if k != "gpu_state"}, "flop_formula": "see benchmarks/production_shape.py",
             "models": {}}  # fmt: skip
     results: list[dict] = []
     for model_key in args.models_list:
@@ -1071,6 +1100,9 @@ def _run(args) -> int:
         torch._dynamo.reset()
         vt.reset_peak()
     meta["elapsed_s"] = time.perf_counter() - t_start
+    if args.gpu_state is not None:
+        args.gpu_state.stop()
+        meta["gpu_state"] = args.gpu_state.why or f"sampled every {args.gpu_state.period_s * 1e3:.0f} ms"
     write_json(args.json, meta, results)
     print_tables(results, meta)
     vt.log(f"done in {meta['elapsed_s']:.0f} s" + (f"; results in {args.json}" if args.json else ""))

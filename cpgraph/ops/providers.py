@@ -33,10 +33,11 @@ CUDA-graph runner binds before it warms up anyway).  See ``docs/ops.md``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 from . import ledger
 
@@ -55,6 +56,8 @@ BINDABLE = ("cuda",)
 _BOUND_DEVICES: set[str] = set()  # devices whose binding finished (or that have nothing to bind)
 _BINDING: set[str] = set()  # devices whose binder is running (its own registrations must not re-enter it)
 _BIND_LOCK = threading.RLock()
+# (op, device type) -> the recording that keeps its next calls' arguments (recording_calls)
+_RECORDINGS: dict[tuple[str, str], "Recording"] = {}
 
 
 def _ensure_bound(device_type: str) -> None:
@@ -148,6 +151,10 @@ def select(op: str, device_type: str, reference: Callable) -> Callable:
     if key not in _LOGGED:
         _LOGGED.add(key)
         log.info("cpgraph::%s on %s uses provider %r", op, device_type, name)
+    if _RECORDINGS:
+        rec = _RECORDINGS.get(key)
+        if rec is not None:
+            return rec.wrap(bound)
     return bound
 
 
@@ -184,3 +191,50 @@ def active_provider(op: str, device_type: str) -> str:
     _ensure_bound(device_type)
     entry = _PROVIDERS.get(op, {}).get(device_type)
     return entry[0] if entry else REFERENCE
+
+
+class Recording:
+    """The arguments of an op's next calls on one device, and the implementation those calls ran.
+
+    ``calls``: ``(args, kwargs)`` of up to ``limit`` calls, the tensors
+    themselves (kept alive while the recording is held, so the caller
+    chooses how many); ``fn``: the provider's implementation, uncounted, to
+    replay them with; ``name``: its registered name.
+    """
+
+    def __init__(self, op: str, device_type: str, limit: int):
+        self.op, self.device_type, self.limit = op, device_type, limit
+        self.calls: list[tuple[tuple, dict]] = []
+        self.fn: Callable | None = None
+        self.name: str | None = None
+
+    def wrap(self, bound: ledger.Counted) -> Callable:
+        def call(*args, **kwargs):
+            if len(self.calls) < self.limit:
+                self.calls.append((args, kwargs))
+                self.fn, self.name = bound.fn, bound.name
+            return bound(*args, **kwargs)
+
+        return call
+
+
+@contextlib.contextmanager
+def recording_calls(op: str, device_type: str, limit: int = 1) -> Iterator[Recording]:
+    """Inside the block, keep the arguments of ``op``'s first ``limit`` calls on ``device_type``.
+
+    Why: a kernel timed alone and the same kernel inside the forward can run
+    at different rates (other inputs, other clocks, other work before it).
+    Replaying the recorded implementation on the forward's own arguments
+    (``benchmarks/op_replay.py``) tells those apart.  A diagnostic: the calls
+    still compute and are counted as usual; outside a recording ``select``
+    pays one test of an empty dict.  Eager and compiled forwards call the op
+    body and are recorded; a CUDA-graph replay runs no Python and is not.
+    """
+    key = (op, device_type)
+    if key in _RECORDINGS:
+        raise RuntimeError(f"cpgraph::{op} on {device_type} is already being recorded")
+    rec = _RECORDINGS[key] = Recording(op, device_type, limit)
+    try:
+        yield rec
+    finally:
+        del _RECORDINGS[key]

@@ -188,7 +188,7 @@ def test_smallest_dry_run_end_to_end(tmp_path):
     out = tmp_path / "dry.json"
     threads = torch.get_num_threads()
     assert ps.main(["--device", "cpu", "--variants", "bf16/bf16", "--cases", "8K", "--repeat", "1", "--profile",
-                    "--json", str(out)]) == 0
+                    "--replay", "indexer_topk,indexer_logits_fp8", "--replay-rest", "0", "--json", str(out)]) == 0
     assert torch.get_num_threads() == threads  # the dry run's single thread is given back
     import json
 
@@ -208,3 +208,10 @@ def test_smallest_dry_run_end_to_end(tmp_path):
     assert row["memory_plan"]["total"] > 0 and row["share_of_bf16_gemm"] > 0
     assert row["memory_plan"]["experts_provider"] in ("triton", "reference")  # bf16 experts (tiny: maybe unaligned)
     assert data["meta"]["gemm"]["fp8_blockwise_skipped"] == "not a CUDA tensor"
+    # The forward's first indexer call replayed on its own arguments (the reference on CPU), both ways.
+    rep = row["replay"]["indexer_topk"]
+    assert rep["recorded"] == 1 and rep["implementation"] == "reference"
+    assert len(rep["rested"]["samples"]) == 1 and len(rep["after_forward"]["samples"]) == 1
+    assert rep["rested"]["ms"] > 0 and "gpu" not in rep["rested"]  # no clocks on CPU
+    assert row["replay"]["indexer_logits_fp8"] == {"op": "indexer_logits_fp8", "recorded": 0,
+                                                   "why": "the forward made no indexer_logits_fp8 call on cpu"}

@@ -111,3 +111,26 @@ def test_compiled_graphs_count_every_call():
     assert torch.equal(out, f(x, index))
     assert calls("cpu")["take_rows"] == [{"implementation": "reference", "calls": 4, "reason": None}]  # 3 + eager
     torch._dynamo.reset()
+
+
+def test_recording_keeps_the_first_calls_arguments_and_still_counts(handing_on):
+    from cpgraph.ops.providers import recording_calls, select
+
+    reset_calls()
+    x = torch.randn(6, 4)
+    idx = [torch.tensor([0, 5]), torch.tensor([2]), torch.tensor([1, 1, 3])]
+    with recording_calls("take_rows", "cpu", limit=2) as rec:
+        outs = [ops.take_rows(x, i) for i in idx]
+        with pytest.raises(RuntimeError, match="already being recorded"):
+            with recording_calls("take_rows", "cpu"):
+                pass
+    assert [a[1].tolist() for a, _ in rec.calls] == [[0, 5], [2]]  # the limit, in call order
+    assert rec.calls[0][0][0] is x  # the tensors themselves, not copies
+    assert rec.name == "handing_on"
+    assert torch.equal(rec.fn(*rec.calls[1][0]), outs[1])  # the implementation, replayable
+    assert calls("cpu")["take_rows"] == [{"implementation": "handing_on", "calls": 3, "reason": None}]
+    rec.fn(x, idx[0])  # a replay is not a call of the op: not counted
+    assert calls("cpu")["take_rows"][0]["calls"] == 3
+    assert isinstance(select("take_rows", "cpu", take_rows_reference), ledger.Counted)  # the block left nothing behind
+    ops.take_rows(x, idx[0])
+    assert len(rec.calls) == 2
