@@ -52,6 +52,8 @@ import sys
 
 import torch
 
+import gpu_state
+
 H, D, TOPK, PAGE = 64, 128, 2048, 64
 SHAPES = {
     "8k": ([8192], [0]),
@@ -285,6 +287,11 @@ def sweep(budget, fp8, out_path=None):
     buf = torch.empty((rows, N), dtype=torch.float32, device="cuda")
     flops = 2 * H * D * keys
     best = {}
+    # Each variant's clocks: the scoring alone is compared with the same kernel inside the forward
+    # (production_shape.py --replay), where the SM clock may be held lower (benchmarks/gpu_state.py).
+    gpu = gpu_state.GpuState.start(torch.cuda.current_device())
+    if not gpu.available:
+        print(f"GPU state not sampled: {gpu.why}", flush=True)
     results = {"score": [], "score_fp8": [], "select": []}
     formats = [("bf16", SCORE_SWEEP, q, k, w, None, "")]
     if fp8:
@@ -298,14 +305,18 @@ def sweep(budget, fp8, out_path=None):
             kw = dict(rows_per_block=mma_rows // H, key_tile=tile, num_warps=warps, num_stages=stages, keys_m=keys_m,
                       fp8_group=group, maxnreg=maxnreg)
             try:
+                t0 = gpu.now()
                 ms = time_ms(lambda: [ki.score_rows(qq, kk, ww, ks, ke, buf, a, m, k_scale=scale, **kw)
                                       for a, m in parts], budget_ms=250.0)
+                clocks = gpu.window(t0, gpu.now())
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
                 print(f"score {fmt} {v}: failed: {str(exc)[:200]}", flush=True)
                 continue
             tf = flops / (ms * 1e-3) / 1e12
-            results["score" if fmt == "bf16" else "score_fp8"].append({"variant": list(v), "ms": ms, "tflops": tf})
-            print(f"score {fmt} {v}: {ms:.3f} ms, {tf:.1f} TFLOP/s", flush=True)
+            results["score" if fmt == "bf16" else "score_fp8"].append({"variant": list(v), "ms": ms, "tflops": tf,
+                                                                       "gpu": clocks})  # fmt: skip
+            shown = f"; {gpu_state.describe(clocks)}" if gpu.available else ""
+            print(f"score {fmt} {v}: {ms:.3f} ms, {tf:.1f} TFLOP/s{shown}", flush=True)
             if fast is None or ms < fast[0]:
                 fast = (ms, v)
         if fast is not None:
@@ -344,6 +355,7 @@ def sweep(budget, fp8, out_path=None):
     if out_path:
         with open(out_path, "w") as f:
             json.dump(best, f)
+    gpu.stop()
     del buf, scratch, out, q, k
     torch.cuda.empty_cache()
     return results, best
