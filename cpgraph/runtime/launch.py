@@ -439,8 +439,6 @@ def check_expert_parallel_graph(manager, ep: int) -> None:
                          " this build cannot run expert parallelism yet, use --ep 1")
 
 
-
-
 def _assemble(items: Sequence[dict], layout: RankLayout, device, backend: str,
               weights: str = "dequantize") -> LaunchResult:
     n = sum(len(it["indices"]) for it in items if it["group_rank"] == 0)

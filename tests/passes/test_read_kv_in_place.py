@@ -401,7 +401,6 @@ v24 = cpgraph.take_rows(_, in45)""",
         assert counts["cpgraph.paged_gather"] == 0
 
 
-
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_logits_bit_equal_to_the_eager_model(fmt):
     _, res, ref, _, _ = _model_run(fmt)
