@@ -393,7 +393,7 @@ CATEGORIES = (
                       r"|^_mm_kernel$"),
     ("other", r"(?i)elementwise|reduce|^triton_(poi|per|red)_|index|scatter|gather|sort|topk|copy|memcpy|memset"
               r"|fill|cat|norm|softmax|_move_rows|_pack_kernel|_unpack_kernel|_store_kernel|_segments_kernel"
-              r"|_valid_scan|hadamard|^cpgraph::|^aten::"),
+              r"|_valid_scan|hadamard|_moe_route_kernel|^cpgraph::|^aten::"),
 )
 UNCLASSIFIED = "unclassified"
 _CATEGORY_RE = [(name, re.compile(p)) for name, p in CATEGORIES]

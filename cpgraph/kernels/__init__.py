@@ -48,6 +48,7 @@ def providers() -> dict:
     from . import indexer
     from . import fp8_linear
     from . import norm_quant
+    from . import moe_route
     from . import mla_query
     from . import index_quant
     from . import invariant_gemm
@@ -68,6 +69,7 @@ def providers() -> dict:
         "cp_materialize_kv_pack": materialize.pack_rows,
         "cp_materialize_kv_place": materialize.place_rows,
         "moe_experts": moe.moe_experts,
+        "moe_route": moe_route.moe_route,
         **indexer.providers(),
         "fp8_block_linear": fp8_linear.fp8_block_linear,
         "fp8_quantize_activations": fp8_linear.fp8_quantize_activations,

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 import cpgraph.ops.expert_parallel  # noqa: F401  (registers cpgraph::moe_dispatch / moe_combine)
 import cpgraph.ops.moe  # noqa: F401  (registers cpgraph::moe_experts)
+import cpgraph.ops.moe_route  # noqa: F401  (registers cpgraph::moe_route)
 
 from .config import DSAConfig
 from .fp32_linear import fp32_linear
@@ -67,18 +68,9 @@ class Router(nn.Module):
         the ``[rows, E]`` logits only; nothing downstream keeps the copy).
         """
         scores = fp32_linear(x, self.weight).sigmoid()  # on CUDA: tensor cores, same product (models/fp32_linear.py)
-        choice = scores + self.e_score_correction_bias
-        per_group = self.num_experts // self.n_group
-        group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1).values.sum(-1)
-        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        group_keep = torch.zeros_like(group_scores).scatter(1, best_groups, 1.0)
-        expert_keep = group_keep.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
-        choice = choice.masked_fill(expert_keep == 0, float("-inf"))
-        chosen = choice.topk(self.top_k, dim=-1, sorted=False).indices
-        w = scores.gather(1, chosen)
-        if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return chosen, w * self.scaling
+        # The group-limited selection in one row-local op (cpgraph/ops/moe_route.py): ties by lower expert id.
+        return _ops.moe_route(scores, self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k,
+                              self.norm_topk_prob, float(self.scaling))
 
 
 # The expert range that Experts modules built in this context hold (None = all).

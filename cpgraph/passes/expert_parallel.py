@@ -51,14 +51,16 @@ _PASS_THROUGH = ("prims.convert_element_type", "aten._to_copy", "aten.view", "at
 
 
 def router_width(ids: fx.Node) -> int | None:
-    """How many experts the router scored for these ids (the top-k input's last dim), or ``None`` if unseen."""
+    """How many experts the router scored for these ids (the selection input's last dim), or ``None`` if unseen."""
     node = ids
     for _ in range(16):
         if not isinstance(node, fx.Node) or node.op != "call_function":
             return None
         if node.target is operator.getitem:
             src = node.args[0]
-            if isinstance(src, fx.Node) and is_op(src, "aten.topk") and node.args[1] == 1:
+            # aten.topk's indices (a model's own router), or cpgraph::moe_route's ids (the DSA models')
+            if isinstance(src, fx.Node) and ((is_op(src, "aten.topk") and node.args[1] == 1)
+                                             or (is_op(src, "cpgraph.moe_route") and node.args[1] == 0)):
                 scores = tensor_val(src.args[0])
                 width = scores.shape[-1] if scores is not None else None
                 return width if isinstance(width, int) else None

@@ -77,6 +77,7 @@ def test_flop_parts_match_independent_arithmetic():
     ("_rms_norm_quantize_kernel", "dense linears"),  # the add + norm that quantises for the FP8 projections
     ("_mm_kernel", "dense linears"),  # deterministic mode's invariant GEMM
     ("_grouped_kernel", "routed experts"),  # and its grouped experts
+    ("_moe_route_kernel", "other"),  # the router's selection (cpgraph::moe_route)
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_3", "other"),
     ("void at::native::vectorized_elementwise_kernel<4, ...>", "other"),
     ("_mla_fp8_pack_kernel", "other"),

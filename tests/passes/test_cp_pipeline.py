@@ -170,10 +170,11 @@ v21 = cpgraph.take_rows(_, in21)
 v22 = cpgraph.kv_layer_written(layer=1)
 v23 = cpgraph.sparse_mla(v14, _, v11, 0.176777, 32)
 v24 = cpgraph.compact_valid_static(_, _)
-v25 = cpgraph.moe_experts(v24[0], _, _, in52, in53, _)
-v26 = cpgraph.restore_compute_static(_, _)
-v27 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
-v28 = _c10d_functional.wait_tensor(v27)""",
+v25 = cpgraph.moe_route(_, in51, 1, 1, 2, True, 2.5)
+v26 = cpgraph.moe_experts(v24[0], v25[0], v25[1], in52, in53, _)
+v27 = cpgraph.restore_compute_static(_, _)
+v28 = _c10d_functional.all_gather_into_tensor(_, 2, '0')
+v29 = _c10d_functional.wait_tensor(v28)""",
         )
         # Counts per pass (the last compile, i.e. the extend-pass graph).  Every rewrite
         # pass must have matched something: an empty delta fails here.
@@ -227,9 +228,10 @@ v13 = cpgraph.paged_store(rows=v12, slots=_)
 v14 = cpgraph.kv_layer_written(layer=1)
 v15 = cpgraph.sparse_mla(v10, v14[1], _, 0.176777, 32)
 v16 = cpgraph.compact_valid_static(_, _)
-v17 = cpgraph.moe_experts(v16[0], _, _, in52, in53, _)
-v18 = cpgraph.restore_compute_static(_, _)
-v19 = cpgraph.take_rows(_, in58)""",
+v17 = cpgraph.moe_route(_, in51, 1, 1, 2, True, 2.5)
+v18 = cpgraph.moe_experts(v16[0], v17[0], v17[1], in52, in53, _)
+v19 = cpgraph.restore_compute_static(_, _)
+v20 = cpgraph.take_rows(_, in58)""",
         )
 
 

@@ -120,7 +120,9 @@ class TestExpertParallelPass(expecttest.TestCase):
              "cpgraph.restore_compute_static": 1},
         )
         final = op_counts(graphs[-1], "cpgraph.moe")
-        self.assertEqual(dict(final), {"cpgraph.moe_dispatch": 1, "cpgraph.moe_experts": 1, "cpgraph.moe_combine": 1})
+        # The router's selection stays on this rank's rows: only the experts call travels.
+        self.assertEqual(dict(final), {"cpgraph.moe_route": 1, "cpgraph.moe_dispatch": 1, "cpgraph.moe_experts": 1,
+                                       "cpgraph.moe_combine": 1})
         self.assertExpectedInline(ep_round_trip(graphs[-1]), """\
 v0 = cpgraph.compact_valid_static(_, _)
 v1 = cpgraph.moe_dispatch(v0[0], _, _, 8, 2, '0', 2)
@@ -132,6 +134,25 @@ v6 = cpgraph.restore_compute_static(_, _)""")
 
     def test_ep1_refuses_an_expert_shard(self):
         moe = shard_experts(moe_module(), (0, 4))
+        fn = compile(moe, CPConfig(moe_modules=()), backend="aot_eager")
+        with pytest.raises(Exception, match="the router scores 8 experts but the experts hold 4"), torch.no_grad():
+            fn(torch.randn(5, 64))
+
+    def test_a_plain_topk_router_is_read_too(self):
+        """A user's router written with ``torch.topk`` (as transformers' is) tells the pass its width as well."""
+
+        class TopkRouter(torch.nn.Module):
+            def __init__(self, gate):
+                super().__init__()
+                self.weight = gate.weight
+
+            def forward(self, x):
+                scores = (x.float() @ self.weight.t()).sigmoid()
+                w, ids = scores.topk(2, dim=-1)
+                return ids, w
+
+        moe = shard_experts(moe_module(), (0, 4))
+        moe.gate = TopkRouter(moe.gate)
         fn = compile(moe, CPConfig(moe_modules=()), backend="aot_eager")
         with pytest.raises(Exception, match="the router scores 8 experts but the experts hold 4"), torch.no_grad():
             fn(torch.randn(5, 64))

@@ -385,9 +385,10 @@ v18 = cpgraph.paged_store(rows=v17, slots=v0)
 v19 = cpgraph.kv_layer_written(layer=1)
 v20 = cpgraph.sparse_mla(v15, v19[1], v13, 0.176777, 32)
 v21 = cpgraph.compact_valid_static(_, _)
-v22 = cpgraph.moe_experts(v21[0], _, _, in40, in41, _)
-v23 = cpgraph.restore_compute_static(_, _)
-v24 = cpgraph.take_rows(_, in45)""",
+v22 = cpgraph.moe_route(_, in39, 1, 1, 2, True, 2.5)
+v23 = cpgraph.moe_experts(v21[0], v22[0], v22[1], in40, in41, _)
+v24 = cpgraph.restore_compute_static(_, _)
+v25 = cpgraph.take_rows(_, in45)""",
         )
 
     def test_fp8_records_counts(self):

@@ -1,0 +1,139 @@
+"""The MoE router's selection (``cpgraph::moe_route``) against the torch formulation it replaced.
+
+DeepSeek-V3.2's router (256 experts in 8 groups, the best 4 groups, top-8; GLM-5's has one group).
+Timed in one run on the same sigmoid scores:
+
+* ``ours``: the op's CUDA provider (``cpgraph/kernels/moe_route.py``);
+* ``torch``: the three ``topk`` calls with the scatter and the mask between them, eager, as the model
+  ran them before (and as transformers does);
+* ``inductor``: the same code under ``torch.compile`` (Inductor fuses the pointwise parts; ``topk``
+  stays ATen's);
+* ``copy``: ``dst.copy_(src)`` of ours' bytes (the ``[M, E]`` fp32 scores read, ids and weights
+  written), the roofline.
+
+Before timing, ours is checked against the op's torch reference (ids equal, weights bit-equal) and
+against the torch formulation (the same experts and weights where no scores tie).  Reported per case:
+median ms, GB/s of ours' bytes over each peer's time, that as a share of the copy rate, and ours'
+speedup over each peer.  ``--sweep`` also times rows per program x warps.
+
+    python benchmarks/moe_route_bench.py [--rows 4096 32768 131072] [--sweep] [--json out.json]
+    TRITON_INTERPRET=1 python benchmarks/moe_route_bench.py --device cpu --rows 5 --no-compile   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
+
+# name -> (experts, n_group, topk_group, top_k, routed scaling)
+CASES = {"v32": (256, 8, 4, 8, 2.5), "glm5": (256, 1, 1, 8, 2.5)}
+SWEEP = [(4, 2), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8)]  # (rows per program, warps)
+
+
+def torch_route(scores, bias, n_group, topk_group, top_k, scaling):
+    """The model's router selection before the op: three topk calls (transformers' formulation)."""
+    m, e = scores.shape
+    choice = scores + bias
+    group = choice.view(m, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group).scatter(1, group.topk(topk_group, dim=-1, sorted=False).indices, 1.0)
+    choice = choice.masked_fill(keep.unsqueeze(-1).expand(-1, n_group, e // n_group).reshape(m, e) == 0,
+                                float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * scaling
+
+
+def traffic(m: int, e: int, top_k: int) -> int:
+    """Bytes ours moves: the fp32 scores and the bias read, int64 ids and fp32 weights written."""
+    return m * e * 4 + e * 4 + m * top_k * (8 + 4)
+
+
+def check(ours, theirs, scores, bias, case) -> None:
+    from cpgraph.ops.moe_route import moe_route_reference
+
+    e, n_group, topk_group, top_k, scaling = case
+    want = moe_route_reference(scores.cpu(), bias.cpu(), n_group, topk_group, top_k, True, scaling)
+    if not torch.equal(ours[0].cpu(), want[0]) or not torch.equal(ours[1].cpu().view(torch.int32),
+                                                                    want[1].view(torch.int32)):
+        raise SystemExit("moe_route_bench: the provider differs from the op's reference")
+    same = torch.equal(ours[0].sort(-1).values.cpu(), theirs[0].sort(-1).values.cpu())
+    if not same:  # random fp32 scores: a tie at the k-th expert is possible but would be one row in millions
+        raise SystemExit("moe_route_bench: the provider chose other experts than the torch formulation")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="M values (default 4096 32768 131072; CPU: 5)")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time rows per program x warps")
+    ap.add_argument("--no-compile", action="store_true", help="skip the Inductor peer")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    import cpgraph.ops  # noqa: F401  (registers the ops; the CUDA provider binds on first use)
+    from cpgraph.kernels.moe_route import moe_route
+
+    ops = torch.ops.cpgraph
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    rows = args.rows or ([4096, 32768, 131072] if cuda else [5])
+    repeat = args.repeat or (20 if cuda else 1)
+    compiled = None if args.no_compile else torch.compile(torch_route, dynamic=False)
+    report_cases = []
+    for name in args.cases:
+        case = CASES[name]
+        e, n_group, topk_group, top_k, scaling = case
+        for m in rows:
+            g = torch.Generator(device=device).manual_seed(m)
+            scores = torch.randn(m, e, device=device, generator=g).sigmoid()
+            bias = torch.randn(e, device=device, generator=g) / 64
+            check(ops.moe_route(scores, bias, n_group, topk_group, top_k, True, scaling),
+                  torch_route(scores, bias, n_group, topk_group, top_k, scaling), scores, bias, case)
+            nbytes = traffic(m, e, top_k)
+            src = torch.empty(nbytes // 4, dtype=torch.int16, device=device)
+            dst = torch.empty_like(src)
+            peers = {"ours": lambda: ops.moe_route(scores, bias, n_group, topk_group, top_k, True, scaling),
+                     "torch": lambda: torch_route(scores, bias, n_group, topk_group, top_k, scaling),
+                     "copy": lambda: dst.copy_(src)}
+            if compiled is not None:
+                peers["inductor"] = lambda: compiled(scores, bias, n_group, topk_group, top_k, scaling)
+            if args.sweep:
+                for rpp, warps in SWEEP:
+                    peers[f"{rpp} rows {warps}w"] = (lambda r=rpp, w=warps: moe_route(
+                        scores, bias, n_group, topk_group, top_k, True, scaling, rows_per_program=r, num_warps=w))
+            ms = {p: _time_ms(fn, repeat, cuda) for p, fn in peers.items()}
+            report_cases.append({
+                "case": name, "rows": m, "experts": e, "n_group": n_group, "topk_group": topk_group, "top_k": top_k,
+                "bytes": nbytes, "copy_gbs": nbytes / ms["copy"] / 1e6,
+                "results": {p: {"ms": t, "gbs": nbytes / t / 1e6, "of_copy": ms["copy"] / t,
+                                "ours_speedup": t / ms["ours"]} for p, t in ms.items()}})  # fmt: skip
+            del scores, src, dst
+
+    from cpgraph.ops.providers import active_provider
+
+    provider = active_provider("moe_route", device.type)
+    where = torch.cuda.get_device_name(device) if cuda else "cpu (dry run: the times mean nothing)"
+    print(f"moe_route ({provider}) on {where} (bytes: ours' traffic; GB/s of those bytes over each peer's time)")
+    print(f"{'case':>5} {'rows':>7} {'peer':>14} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}")
+    for c in report_cases:
+        for p, r in c["results"].items():
+            print(f"{c['case']:>5} {c['rows']:>7} {p:>14} {r['ms']:9.4f} {r['gbs']:8.0f} {100 * r['of_copy']:6.0f} "
+                  f"{r['ours_speedup']:7.2f}")
+    report = {"device": where, "provider": provider, "repeat": repeat, "cases": report_cases}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
