@@ -125,7 +125,7 @@ forward)
     # (their GPU tests are gated by needs_gpu, not the gpu marker: the whole files, CPU cases included)
     step fp8_gpu_tests python3 -m pytest -q tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \
         tests/ops/test_norm_quant.py tests/passes/test_fuse_norm_quant.py tests/ops/test_moe_route.py \
-        -p no:cacheprovider
+        tests/ops/test_mla_output.py -p no:cacheprovider
     # Device time (CUDA-graph replays: eager calls add ~60 us of host time at 4096 rows)
     step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph --check \
         --json "$OUT/fp8_linear.json"
@@ -133,6 +133,8 @@ forward)
     step norm_quant python3 benchmarks/norm_quant_bench.py --sweep --json "$OUT/norm_quant.json"
     # The router's selection in one kernel, against the three topk calls it replaced (eager and Inductor)
     step moe_route python3 benchmarks/moe_route_bench.py --sweep --json "$OUT/moe_route.json"
+    # The W_UV absorption written as o_proj's rows (cpgraph::mla_output) against einsum + reshape under Inductor
+    step mla_bench python3 benchmarks/mla_query_bench.py --rows 32768 --json "$OUT/mla_query.json"
     step deep_gemm python3 benchmarks/deep_gemm_bench.py --json "$OUT/deep_gemm.json"
     step swiglu python3 benchmarks/swiglu_bench.py --json "$OUT/swiglu.json"
     ;;

@@ -13,6 +13,12 @@ rope 64).  Variants, each timed in this one run:
 * ``gemm-floor``: ``q_b_proj`` plus a plain contiguous bmm of the same size, the cost with no
   assembly at all.  ``assembly ms`` = variant - floor.
 
+The output side, on random ``[M, H, 512]`` attention outputs and the layer's W_UV: ``output
+torch-compiled`` (the previous model code, ``einsum(...).reshape(M, H * v)`` under Inductor, which
+re-reads the ``[H, M, v]`` bmm output transposed), ``output op-compiled`` (``cpgraph::mla_output``:
+on CUDA the bmm writes the ``[M, H * v]`` rows directly) and ``output bmm floor`` (the same bmm into
+a contiguous ``[H, M, v]``, what the GEMM alone costs).
+
 Figures are medians of per-call times (CUDA events on GPU, wall clock on CPU) and ratios within
 the run; the copy rate of the same run turns the assembly's bytes into a share of HBM speed.
 ``--device cpu`` is a dry run at small sizes.  Also checks that every variant matches the op's
@@ -86,6 +92,7 @@ def main() -> None:
     rows = [int(r) for r in (args.rows or ("64" if cpu else "8192,32768")).split(",")]
     repeat = args.repeat or (5 if cpu else 20)
 
+    from cpgraph.ops.mla_output import mla_output_reference
     from cpgraph.ops.mla_query import mla_query_reference
 
     cfg, attn, rot = _attention(device, dtype, args.heads)
@@ -130,7 +137,26 @@ def main() -> None:
             row["assembly_torch_ms"] = row["torch_compiled_ms"] - row["gemm_floor_ms"]
             row["assembly_op_ms"] = row["op_compiled_ms"] - row["gemm_floor_ms"]
             row["torch_over_op"] = row["torch_compiled_ms"] / row["op_compiled_ms"]
+            # The output side: out_lat @ W_UV^T as the [M, H * v] rows o_proj reads (cpgraph::mla_output).
+            out_lat = torch.randn(m, H, L, device=device, dtype=dtype)
+            w_uv = attn._absorbed()[1]
+            want = mla_output_reference(out_lat, w_uv)
+            for name, f in (("output_torch_compiled", mla_output_reference),
+                            ("output_op_compiled", lambda a, w: torch.ops.cpgraph.mla_output(a, w))):
+                torch._dynamo.reset()
+                fn = torch.compile(f, fullgraph=True)
+                got = fn(out_lat, w_uv)
+                row[f"{name}_ms"] = _time_ms(fn, (out_lat, w_uv), repeat, device)
+                row[f"{name}_max_abs_diff"] = (got.float() - want.float()).abs().max().item()
+            w_plain = w_uv.transpose(1, 2).contiguous()
+            row["output_gemm_floor_ms"] = _time_ms(lambda a: torch.bmm(a, w_plain), (out_lat.transpose(0, 1),),
+                                                   repeat, device)
+            row["output_torch_over_op"] = row["output_torch_compiled_ms"] / row["output_op_compiled_ms"]
             results.append(row)
+            print(f"M={m:6d} H={H}  output: torch-compiled {row['output_torch_compiled_ms']:.3f} ms, op-compiled "
+                  f"{row['output_op_compiled_ms']:.3f} ms ({row['output_torch_over_op']:.2f}x), bmm floor "
+                  f"{row['output_gemm_floor_ms']:.3f} ms  |diff| torch {row['output_torch_compiled_max_abs_diff']:.2e} "
+                  f"op {row['output_op_compiled_max_abs_diff']:.2e}", flush=True)
             print(f"M={m:6d} H={H}  torch-compiled {row['torch_compiled_ms']:.3f} ms  op-compiled "
                   f"{row['op_compiled_ms']:.3f} ms  op-eager {row['op_eager_ms']:.3f} ms  gemm floor "
                   f"{row['gemm_floor_ms']:.3f} ms  -> assembly {row['assembly_torch_ms']:.3f} -> "

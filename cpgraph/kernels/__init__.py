@@ -76,6 +76,7 @@ def providers() -> dict:
         "fp8_linear_quantized": fp8_linear.fp8_linear_quantized,
         "fp8_rms_norm_quantize": norm_quant.rms_norm_quantize,
         "mla_query": mla_query.mla_query,
+        "mla_output": mla_query.mla_output,
         "hadamard": index_quant.hadamard,
         "index_k_quant": index_quant.index_k_quant,
         "indexer_q_quant": index_quant.indexer_q_quant,

@@ -381,6 +381,23 @@ def invariant_mla_query(q, w_uk, cos, sin):
     return out
 
 
+def invariant_mla_output(out_lat, w_uv):
+    """Provider of ``cpgraph::invariant_mla_output``: the W_UV GEMM writes the ``[M, H * v]`` rows directly."""
+    m, h, _ = out_lat.shape
+    v = w_uv.shape[1]
+    out = torch.empty((m, h * v), dtype=out_lat.dtype, device=out_lat.device)
+    if m == 0:
+        return out
+    if out_lat.dtype not in KINDS:
+        from cpgraph.ops.invariant import invariant_mla_output_reference
+
+        ledger.fell_back("invariant_mla_output", out_lat.device.type, "reference", f"{out_lat.dtype} operands",
+                         instead_of="triton")
+        return invariant_mla_output_reference(out_lat, w_uv)
+    matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.view(m, h, v).transpose(0, 1))
+    return out
+
+
 def providers() -> dict:
     """Op name -> launcher, for :func:`cpgraph.kernels.providers`."""
     return {
@@ -388,6 +405,7 @@ def providers() -> dict:
         "invariant_fp8_linear": invariant_fp8_linear,
         "invariant_moe_experts": invariant_moe_experts,
         "invariant_mla_query": invariant_mla_query,
+        "invariant_mla_output": invariant_mla_output,
     }
 
 

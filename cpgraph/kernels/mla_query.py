@@ -1,4 +1,4 @@
-"""CUDA provider of ``cpgraph::mla_query``: the absorption GEMM writes into the final query layout.
+"""CUDA providers of ``cpgraph::mla_query`` and ``mla_output``: the absorption GEMMs write into the final layouts.
 
 ``torch.bmm`` over heads writes into the strided view ``out[:, :, :L].transpose(0, 1)``
 (``[H, M, L]`` with row stride ``H * (L + R)``), so the compiled graph no longer holds a pointwise
@@ -70,4 +70,20 @@ def mla_query(q, w_uk, cos, sin):
     return out
 
 
-__all__ = ["mla_query"]
+def mla_output(out_lat, w_uv):
+    """Provider of ``cpgraph::mla_output``: the per-head W_UV GEMM writes the ``[M, H * v]`` rows directly.
+
+    ``torch.bmm`` over heads into the strided view ``out.view(M, H, v).transpose(0, 1)`` (``[H, M, v]``
+    with row stride ``H * v``): cuBLAS takes that output stride as it is, so no kernel re-reads an
+    ``[H, M, v]`` intermediate transposed (cpgraph/ops/mla_output.py says why).
+    """
+    m, h, _ = out_lat.shape
+    v = w_uv.shape[1]
+    out = torch.empty((m, h * v), dtype=out_lat.dtype, device=out_lat.device)
+    if m == 0:
+        return out
+    torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.view(m, h, v).transpose(0, 1))
+    return out
+
+
+__all__ = ["mla_query", "mla_output"]

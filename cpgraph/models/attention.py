@@ -34,6 +34,7 @@ from torch import Tensor, nn
 import cpgraph.ops.codecs  # noqa: F401  (registers mla_fp8_pack / mla_dense_pack)
 import cpgraph.ops.layer_events  # noqa: F401
 import cpgraph.ops.materialize  # noqa: F401
+import cpgraph.ops.mla_output  # noqa: F401  (registers mla_output)
 import cpgraph.ops.mla_query  # noqa: F401  (registers mla_query)
 import cpgraph.ops.rows  # noqa: F401
 
@@ -105,8 +106,6 @@ class MLAttention(nn.Module):
         prev_topk: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         """``x`` ``[M, hidden]`` (normed) -> (``[M, hidden]``, top-k ``int32 [M, k]`` ragged ids)."""
-        M = x.shape[0]
-        H = self.num_heads
         _, w_uv = self._absorbed()
 
         q_lat = self.q_a_layernorm(self.q_a_proj(x))
@@ -136,5 +135,5 @@ class MLAttention(nn.Module):
 
         _ops.kv_layer_written(mla_pool, self.layer_idx)
         out_lat, _lse = _ops.sparse_mla(q_full, kv, topk, self.sm_scale, self.kv_lora)
-        out = torch.einsum("mhl,hvl->mhv", out_lat, w_uv).reshape(M, H * self.v_dim)
-        return self.o_proj(out), topk
+        # W_UV absorbed, written as the [M, H * v] rows o_proj reads (cpgraph/ops/mla_output.py says why)
+        return self.o_proj(_ops.mla_output(out_lat, w_uv)), topk

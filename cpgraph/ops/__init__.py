@@ -10,7 +10,7 @@ a contract docstring, and an entry in ``docs/ops.md``.
 
 from . import codecs, collectives, indexer, layer_events, materialize, paged, rows, sparse_mla  # noqa: F401
 from . import expert_parallel, moe, moe_route  # noqa: F401
-from . import fp8_linear, mla_query, norm_quant, row_scope  # noqa: F401
+from . import fp8_linear, mla_output, mla_query, norm_quant, row_scope  # noqa: F401
 from . import eager_numerics, invariant, invariant_mode  # noqa: F401
 from .providers import active_provider, bind_providers, register_provider, select, unregister_provider
 

@@ -49,6 +49,7 @@ from torch import Tensor
 from .checks import check_index_range, check_same_device, check_tensor
 from .fp8_linear import check_fp8_block_linear, dequantize_weight, quantize_activations
 from .invariant_core import fixed_order_matmul, scaled_sum, silu, silu_f32
+from .mla_output import check_mla_output
 from .mla_query import _check_mla_query, rope_interleaved
 from .moe import _check_moe_experts, _routed_slots
 from .providers import select
@@ -164,6 +165,13 @@ def invariant_mla_query_reference(q: Tensor, w_uk: Tensor, cos: Tensor, sin: Ten
     return torch.cat((q_abs, rope), dim=-1)
 
 
+def invariant_mla_output_reference(out_lat: Tensor, w_uv: Tensor) -> Tensor:
+    """``out_lat @ W_UV^T`` per head in one fixed order, as ``[M, H * v]`` rows."""
+    m, h, _ = out_lat.shape
+    out = fixed_order_matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).to(out_lat.dtype)  # [H, M, v]
+    return out.transpose(0, 1).reshape(m, h * w_uv.shape[1])
+
+
 # ---------------------------------------------------------------------- ops
 @torch.library.custom_op("cpgraph::invariant_mm", mutates_args=())
 def invariant_mm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, beta: float = 1.0,
@@ -236,11 +244,25 @@ def _invariant_mla_query_fake(q, w_uk, cos, sin):
     return q.new_empty((q.shape[0], q.shape[1], w_uk.shape[2] + q.shape[2] - w_uk.shape[1]))
 
 
+@torch.library.custom_op("cpgraph::invariant_mla_output", mutates_args=())
+def invariant_mla_output(out_lat: Tensor, w_uv: Tensor) -> Tensor:
+    """``cpgraph::mla_output`` whose rows do not depend on the row count (module docstring)."""
+    check_mla_output(out_lat, w_uv, "invariant_mla_output")
+    return select("invariant_mla_output", out_lat.device.type, invariant_mla_output_reference)(out_lat, w_uv)
+
+
+@invariant_mla_output.register_fake
+def _invariant_mla_output_fake(out_lat, w_uv):
+    check_mla_output(out_lat, w_uv, "invariant_mla_output")
+    return out_lat.new_empty((out_lat.shape[0], out_lat.shape[1] * w_uv.shape[1]))
+
+
 # The op each invariant op stands in for (the rewrite pass and the deterministic mode use this one table).
 REPLACES = {
     "moe_experts": "invariant_moe_experts",
     "fp8_block_linear": "invariant_fp8_linear",
     "mla_query": "invariant_mla_query",
+    "mla_output": "invariant_mla_output",
 }
 
 __all__ = [

@@ -167,10 +167,12 @@ class TestCompiled(expecttest.TestCase):
                  for k in set(op_counts(before.graph)) | set(op_counts(after.graph))}
         delta = {k: v for k, v in sorted(delta.items()) if v}
         self.assertEqual(delta, {
-            "aten.bmm": -2, "aten.mm": -19, "cpgraph.invariant_mla_query": 2, "cpgraph.invariant_mm": 21,
-            "cpgraph.invariant_moe_experts": 1, "cpgraph.mla_query": -2, "cpgraph.moe_experts": -1,
+            "aten.mm": -19, "cpgraph.invariant_mla_output": 2, "cpgraph.invariant_mla_query": 2,
+            "cpgraph.invariant_mm": 19, "cpgraph.invariant_moe_experts": 1, "cpgraph.mla_output": -2,
+            "cpgraph.mla_query": -2, "cpgraph.moe_experts": -1,
         })
-        products = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "cpgraph.moe_experts", "cpgraph.mla_query")
+        products = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "cpgraph.moe_experts", "cpgraph.mla_query",
+                    "cpgraph.mla_output")
         assert not any(op_counts(after.graph)[p] for p in products)
         # With deterministic off the pass leaves a graph as it is.
         from cpgraph.passes.invariant_kernels import use_invariant_kernels
@@ -194,8 +196,8 @@ v9 = cpgraph.invariant_layer_norm(v8, [32], in24, in25, 1e-06)
 v10 = cpgraph.invariant_mm(_, _)
 v11 = cpgraph.indexer_topk(_, _, _, in31, in32, 16, 1073741824)
 v12 = cpgraph.sparse_mla(v4, _, _, 0.176777, 32)
-v13 = cpgraph.invariant_mm(_, _)
-v14 = cpgraph.invariant_mm(_, _)
+v13 = cpgraph.invariant_mla_output(v12[0], _)
+v14 = cpgraph.invariant_mm(v13, _)
 v15 = cpgraph.invariant_rms_norm(_, [64], in34, 1e-05)
 v16 = cpgraph.invariant_mm(v15, _)
 v17 = cpgraph.invariant_mm(v15, _)
@@ -208,8 +210,8 @@ v23 = cpgraph.invariant_mla_query(_, _, _, _)
 v24 = cpgraph.invariant_mm(v19, _)
 v25 = cpgraph.invariant_rms_norm(_, [32], in44, 1e-06)
 v26 = cpgraph.sparse_mla(v23, _, _, 0.176777, 32)
-v27 = cpgraph.invariant_mm(_, _)
-v28 = cpgraph.invariant_mm(_, _)
+v27 = cpgraph.invariant_mla_output(v26[0], _)
+v28 = cpgraph.invariant_mm(v27, _)
 v29 = cpgraph.invariant_rms_norm(_, [64], in49, 1e-05)
 v30 = cpgraph.invariant_mm(_, _)
 v31 = cpgraph.invariant_moe_experts(_, _, _, in52, in53, _)

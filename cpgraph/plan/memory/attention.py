@@ -50,8 +50,7 @@ def _attention_layer(cfg, R: int, N: int, a: int, kv_format: str, index_format: 
     t.new_phase()
     t.alloc("out_lat", R * heads * kvl * a)
     t.alloc("lse", 4 * R * heads)
-    t.alloc("out.einsum", R * heads * cfg.v_head_dim * a)
-    t.alloc("out", R * heads * cfg.v_head_dim * a)  # .reshape of the permuted einsum result copies
-    t.free("out.einsum")
+    # cpgraph::mla_output's GPU provider: the W_UV GEMM writes the [R, heads * v] rows o_proj reads (no transient)
+    t.alloc("out", R * heads * cfg.v_head_dim * a)
     t.alloc("o_proj", R * H * a)
     return attention, t.peak
