@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
+from peer_rates import copy_peer, print_rates, rates  # noqa: E402
 
 # name -> (experts, n_group, topk_group, top_k, routed scaling)
 CASES = {"v32": (256, 8, 4, 8, 2.5), "glm5": (256, 1, 1, 8, 2.5)}
@@ -100,11 +101,10 @@ def main(argv=None) -> dict:
             check(ops.moe_route(scores, bias, n_group, topk_group, top_k, True, scaling),
                   torch_route(scores, bias, n_group, topk_group, top_k, scaling), scores, bias, case)
             nbytes = traffic(m, e, top_k)
-            src = torch.empty(nbytes // 4, dtype=torch.int16, device=device)
-            dst = torch.empty_like(src)
+            copy, src, dst = copy_peer(nbytes, device)
             peers = {"ours": lambda: ops.moe_route(scores, bias, n_group, topk_group, top_k, True, scaling),
                      "torch": lambda: torch_route(scores, bias, n_group, topk_group, top_k, scaling),
-                     "copy": lambda: dst.copy_(src)}
+                     "copy": copy}
             if compiled is not None:
                 peers["inductor"] = lambda: compiled(scores, bias, n_group, topk_group, top_k, scaling)
             if args.sweep:
@@ -114,9 +114,7 @@ def main(argv=None) -> dict:
             ms = {p: _time_ms(fn, repeat, cuda) for p, fn in peers.items()}
             report_cases.append({
                 "case": name, "rows": m, "experts": e, "n_group": n_group, "topk_group": topk_group, "top_k": top_k,
-                "bytes": nbytes, "copy_gbs": nbytes / ms["copy"] / 1e6,
-                "results": {p: {"ms": t, "gbs": nbytes / t / 1e6, "of_copy": ms["copy"] / t,
-                                "ours_speedup": t / ms["ours"]} for p, t in ms.items()}})  # fmt: skip
+                "bytes": nbytes, "copy_gbs": nbytes / ms["copy"] / 1e6, "results": rates(ms, nbytes)})
             del scores, src, dst
 
     from cpgraph.ops.providers import active_provider
@@ -124,11 +122,7 @@ def main(argv=None) -> dict:
     provider = active_provider("moe_route", device.type)
     where = torch.cuda.get_device_name(device) if cuda else "cpu (dry run: the times mean nothing)"
     print(f"moe_route ({provider}) on {where} (bytes: ours' traffic; GB/s of those bytes over each peer's time)")
-    print(f"{'case':>5} {'rows':>7} {'peer':>14} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}")
-    for c in report_cases:
-        for p, r in c["results"].items():
-            print(f"{c['case']:>5} {c['rows']:>7} {p:>14} {r['ms']:9.4f} {r['gbs']:8.0f} {100 * r['of_copy']:6.0f} "
-                  f"{r['ours_speedup']:7.2f}")
+    print_rates(report_cases, [("case", 5), ("rows", 7)])
     report = {"device": where, "provider": provider, "repeat": repeat, "cases": report_cases}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
+from peer_rates import copy_peer, print_rates, rates  # noqa: E402
 
 # name -> (K, residual add, normed rows written for another reader)
 CASES = {"attn_input": (7168, True, True), "q_latent": (1536, False, False)}
@@ -101,10 +102,8 @@ def main(argv=None) -> dict:
             w = (torch.rand(k, device=device, generator=g) + 0.5).to(torch.bfloat16)
             check(rms_norm_quantize(x, res, w, 1e-6, 128, True, emit), x, res, w, emit)
             nbytes = traffic(m, k, residual, emit)
-            src = torch.empty(nbytes // 4, dtype=torch.int16, device=device)
-            dst = torch.empty_like(src)
-            peers = {"ours": lambda: ops.fp8_rms_norm_quantize(x, res, w, 1e-6, 128, True, emit),
-                     "copy": lambda: dst.copy_(src)}
+            copy, src, dst = copy_peer(nbytes, device)
+            peers = {"ours": lambda: ops.fp8_rms_norm_quantize(x, res, w, 1e-6, 128, True, emit), "copy": copy}
             if not args.no_compile:
                 @torch.compile(dynamic=False)
                 def norm(x, res, w):
@@ -120,9 +119,7 @@ def main(argv=None) -> dict:
                         x, res, w, 1e-6, 128, True, emit, row_values=rv, tile_values=t, num_warps=nw))
             ms = {p: _time_ms(fn, repeat, cuda) for p, fn in peers.items()}
             case = {"case": name, "rows": m, "K": k, "residual": residual, "emit_normed": emit, "bytes": nbytes,
-                    "copy_gbs": nbytes / ms["copy"] / 1e6,
-                    "results": {p: {"ms": t, "gbs": nbytes / t / 1e6, "of_copy": ms["copy"] / t,
-                                    "ours_speedup": t / ms["ours"]} for p, t in ms.items()}}
+                    "copy_gbs": nbytes / ms["copy"] / 1e6, "results": rates(ms, nbytes)}
             report_cases.append(case)
             del x, res, src, dst
 
@@ -132,11 +129,7 @@ def main(argv=None) -> dict:
     where = torch.cuda.get_device_name(device) if cuda else "cpu (dry run: the times mean nothing)"
     print(f"fp8_rms_norm_quantize ({provider}) on {where} (bytes: ours' traffic; GB/s of those bytes over each "
           f"peer's time)")
-    print(f"{'case':>11} {'rows':>6} {'peer':>16} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}")
-    for case in report_cases:
-        for p, r in case["results"].items():
-            print(f"{case['case']:>11} {case['rows']:>6} {p:>16} {r['ms']:9.4f} {r['gbs']:8.0f} "
-                  f"{100 * r['of_copy']:6.0f} {r['ours_speedup']:7.2f}")
+    print_rates(report_cases, [("case", 11), ("rows", 6)], peer_width=16)
     report = {"device": where, "provider": provider, "repeat": repeat, "cases": report_cases}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

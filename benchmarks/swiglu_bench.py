@@ -43,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
+from peer_rates import rates  # noqa: E402
 
 MAX_ULPS = 2  # one flipped rounding of the bf16 silu moves the rounded product by at most this
 MIN_EXACT = 0.99  # the kernel tests' bound on the share of bit-equal values (tests/kernels/test_swiglu.py)
@@ -125,13 +126,8 @@ def main(argv=None) -> dict:
             peers["compiled"] = lambda: compiled(hr)
         del ours_out, want
         ms = {name: _time_ms(fn, repeat, cuda) for name, fn in peers.items()}
-        copy_gbs = nbytes / ms["copy"] / 1e6
-        case["copy_gbs"] = copy_gbs
-        case["results"] = {
-            name: {"ms": t, "gbs": nbytes / t / 1e6, "of_copy": ms["copy"] / t,
-                   "ours_speedup": t / ms["ours"]}
-            for name, t in ms.items()
-        }
+        case["copy_gbs"] = nbytes / ms["copy"] / 1e6
+        case["results"] = rates(ms, nbytes)
         cases.append(case)
         del src, dst
 

@@ -1,0 +1,34 @@
+"""A memory-bound kernel and its peers timed in one run: ms, GB/s of ours' bytes, share of the copy rate, speedup.
+
+Shared by the benchmarks of the row-local kernels (``norm_quant_bench``, ``moe_route_bench``,
+``swiglu_bench``): each times ``ours``, its peers and ``copy`` (``dst.copy_(src)`` of ours' bytes, the
+roofline) and reports every peer against the same byte count, so the columns mean the same in each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def copy_peer(nbytes: int, device) -> tuple:
+    """``(fn, src, dst)``: a copy of ``nbytes`` (half read, half written); keep ``src``/``dst`` alive while timing."""
+    src = torch.empty(max(1, nbytes // 4), dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), src, dst
+
+
+def rates(ms: dict[str, float], nbytes: int) -> dict:
+    """Per peer: ``ms``, ``gbs`` (ours' bytes over its time), ``of_copy`` and ``ours_speedup`` (needs ``ours``, ``copy``)."""
+    return {p: {"ms": t, "gbs": nbytes / t / 1e6, "of_copy": ms["copy"] / t, "ours_speedup": t / ms["ours"]}
+            for p, t in ms.items()}
+
+
+def print_rates(cases: list[dict], keys: list[tuple[str, int]], peer_width: int = 14, ms_digits: int = 4) -> None:
+    """One line per (case, peer): the case's ``keys`` columns (name, width), then the peer's figures."""
+    head = " ".join(f"{k:>{w}}" for k, w in keys)
+    print(f"{head} {'peer':>{peer_width}} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}")
+    for c in cases:
+        lead = " ".join(f"{c[k]!s:>{w}}" for k, w in keys)
+        for p, r in c["results"].items():
+            print(f"{lead} {p:>{peer_width}} {r['ms']:9.{ms_digits}f} {r['gbs']:8.0f} {100 * r['of_copy']:6.0f} "
+                  f"{r['ours_speedup']:7.2f}")
