@@ -22,7 +22,6 @@ speedup over each peer.  ``--sweep`` also times rows per program x warps.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
-from peer_rates import copy_peer, print_rates, rates  # noqa: E402
+from peer_rates import copy_peer, peer_args, print_rates, rates, setup  # noqa: E402
 
 # name -> (experts, n_group, topk_group, top_k, routed scaling)
 CASES = {"v32": (256, 8, 4, 8, 2.5), "glm5": (256, 1, 1, 8, 2.5)}
@@ -71,24 +70,14 @@ def check(ours, theirs, scores, bias, case) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--rows", type=int, nargs="+", default=None, help="M values (default 4096 32768 131072; CPU: 5)")
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time rows per program x warps")
-    ap.add_argument("--no-compile", action="store_true", help="skip the Inductor peer")
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args = peer_args(__doc__.split("\n", 1)[0], list(CASES), "M values (default 4096 32768 131072; CPU: 5)",
+                     "also time rows per program x warps").parse_args(argv)
 
     import cpgraph.ops  # noqa: F401  (registers the ops; the CUDA provider binds on first use)
     from cpgraph.kernels.moe_route import moe_route
 
     ops = torch.ops.cpgraph
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    rows = args.rows or ([4096, 32768, 131072] if cuda else [5])
-    repeat = args.repeat or (20 if cuda else 1)
+    device, cuda, rows, repeat = setup(args, [4096, 32768, 131072], [5])
     compiled = None if args.no_compile else torch.compile(torch_route, dynamic=False)
     report_cases = []
     for name in args.cases:

@@ -28,7 +28,6 @@ counts, and two sweeps of several tiles.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
-from peer_rates import copy_peer, print_rates, rates  # noqa: E402
+from peer_rates import copy_peer, peer_args, print_rates, rates, setup  # noqa: E402
 
 # name -> (K, residual add, normed rows written for another reader)
 CASES = {"attn_input": (7168, True, True), "q_latent": (1536, False, False)}
@@ -73,24 +72,14 @@ def check(ours, x, res, w, emit: bool) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--rows", type=int, nargs="+", default=None, help="M values (default 4096 32768; CPU: 6)")
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time the tile variants")
-    ap.add_argument("--no-compile", action="store_true", help="skip the Inductor peers")
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args = peer_args(__doc__.split("\n", 1)[0], list(CASES), "M values (default 4096 32768; CPU: 6)",
+                     "also time the tile variants", "skip the Inductor peers").parse_args(argv)
 
     import cpgraph.ops  # noqa: F401  (registers the ops; the CUDA provider binds on first use)
     from cpgraph.kernels.norm_quant import rms_norm_quantize
 
     ops = torch.ops.cpgraph
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    rows = args.rows or ([4096, 32768] if cuda else [6])
-    repeat = args.repeat or (20 if cuda else 1)
+    device, cuda, rows, repeat = setup(args, [4096, 32768], [6])
     report_cases = []
     for name in args.cases:
         k, residual, emit = CASES[name]

@@ -7,7 +7,31 @@ roofline) and reports every peer against the same byte count, so the columns mea
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import torch
+
+
+def peer_args(description: str, cases: list[str], rows_help: str, sweep_help: str,
+              compile_help: str = "skip the Inductor peer") -> argparse.ArgumentParser:
+    """The options every such benchmark takes (``--device --rows --cases --repeat --sweep --no-compile --json``)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help=rows_help)
+    ap.add_argument("--cases", nargs="+", default=list(cases), choices=list(cases))
+    ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--sweep", action="store_true", help=sweep_help)
+    ap.add_argument("--no-compile", action="store_true", help=compile_help)
+    ap.add_argument("--json", type=Path, default=None)
+    return ap
+
+
+def setup(args, cuda_rows: list[int], cpu_rows: list[int]) -> tuple:
+    """``(device, cuda, rows, repeat)`` from the parsed options: 20 timed calls on a GPU, 1 in a CPU dry run."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    return device, cuda, args.rows or (cuda_rows if cuda else cpu_rows), args.repeat or (20 if cuda else 1)
 
 
 def copy_peer(nbytes: int, device) -> tuple:
