@@ -116,16 +116,18 @@ forward)
     for t in $STATE/tuning.json $WHL/tuning.json; do
         [ -f "$t" ] && { TUNE=(env CPGRAPH_INDEXER_TUNING=$PWD/$t); echo "selection tuning: $t"; break; }
     done
+    # First the GPU tests of the kernels the forward now runs (a kernel that fails here would fail the forward;
+    # CPGRAPH_PROVIDERS=op:reference forces an op's torch reference meanwhile), then the forward, then the
+    # dense FP8 linears' target at M = 4096 (and 32768 beside it), DeepGEMM's kernels and the fused SwiGLU
+    # (their GPU tests are gated by needs_gpu, not the gpu marker: the whole files, CPU cases included)
+    step fp8_gpu_tests python3 -m pytest -q tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \
+        tests/ops/test_norm_quant.py tests/passes/test_fuse_norm_quant.py tests/ops/test_moe_route.py \
+        tests/ops/test_mla_output.py -p no:cacheprovider
     # --replay: the indexer's first call replayed on its own arguments, rested and right after a forward, with the
     # clocks of each window (is the FP8 scoring's loss in the forward its inputs or the GPU's state?)
     step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
         --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --replay indexer_topk \
         --json "$OUT/production_32k.json"
-    # The dense FP8 linears' target at M = 4096 (and 32768 beside it), DeepGEMM's kernels and the fused SwiGLU
-    # (their GPU tests are gated by needs_gpu, not the gpu marker: the whole files, CPU cases included)
-    step fp8_gpu_tests python3 -m pytest -q tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \
-        tests/ops/test_norm_quant.py tests/passes/test_fuse_norm_quant.py tests/ops/test_moe_route.py \
-        tests/ops/test_mla_output.py -p no:cacheprovider
     # Device time (CUDA-graph replays: eager calls add ~60 us of host time at 4096 rows)
     step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph --check \
         --json "$OUT/fp8_linear.json"
