@@ -32,15 +32,18 @@ MAX_EXPERTS = 1024  # one row's key in registers: 1024 x ROWS int32 per program 
 _KNOCKED = tl.constexpr(-2147483648)  # below every key (the smallest real key, -inf's, is -2139095041)
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
 _EPS = tl.constexpr(NORM_EPS)
+_NEG_ZERO_BITS = tl.constexpr(-2147483648)  # 0x80000000
 
 
 @triton.jit
 def _order_key(v):
     """An int32 whose signed order is the contract's order of the fp32 ``v`` (module docstring)."""
-    v = v + 0.0  # -0.0 + 0.0 = +0.0: equal values, equal keys
     bits = v.to(tl.int32, bitcast=True)
+    # -0.0 (the sign bit alone) is 0.0: equal values, equal keys (an integer test; "v + 0.0" may be folded away)
+    bits = tl.where(bits == _NEG_ZERO_BITS, 0, bits)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return tl.where(v != v, 0x7F800001, key)  # every NaN: one above +inf's key (0x7F800000)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000  # exponent all ones, mantissa not zero (integer test, as above)
+    return tl.where(nan, 0x7F800001, key)  # every NaN: one above +inf's key (0x7F800000)
 
 
 @triton.jit
