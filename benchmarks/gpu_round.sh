@@ -135,6 +135,8 @@ forward)
     step norm_quant python3 benchmarks/norm_quant_bench.py --sweep --json "$OUT/norm_quant.json"
     # The router's selection in one kernel, against the three topk calls it replaced (eager and Inductor)
     step moe_route python3 benchmarks/moe_route_bench.py --sweep --json "$OUT/moe_route.json"
+    # The FP8 indexer's operand kernels, the queries' rotation and quantisation fused (indexer_q_prepare) among them
+    step index_quant python3 benchmarks/index_quant_bench.py --json "$OUT/index_quant.json"
     # The W_UV absorption written as o_proj's rows (cpgraph::mla_output) against einsum + reshape under Inductor
     step mla_bench python3 benchmarks/mla_query_bench.py --rows 32768 --json "$OUT/mla_query.json"
     step deep_gemm python3 benchmarks/deep_gemm_bench.py --json "$OUT/deep_gemm.json"

@@ -1,11 +1,12 @@
 """FP8 indexer operand preparation: the Triton kernels of ``cpgraph/kernels/index_quant.py`` vs the torch references.
 
-With FP8 KV the indexer runs, per layer, ``hadamard`` on q ``[M, 64, 128]`` and k ``[M, 128]``,
-``index_k_quant`` on k and ``indexer_q_quant`` on q (``cpgraph/models/indexer.py``).  The op
+With FP8 KV the indexer runs, per layer, ``hadamard`` and ``index_k_quant`` on k ``[M, 128]`` and
+``indexer_q_prepare`` on q ``[M, 64, 128]`` (``cpgraph/models/indexer.py``), the fused form of
+``hadamard`` + ``indexer_q_quant`` on q, which are timed too.  The op
 bodies run the torch references as eager kernel chains, which Inductor cannot fuse into, so the
 reference times below are what a compiled forward spends on them without the providers.
 
-Per op and for the layer's four calls together (``layer``): median ms of the Triton provider and
+Per op and for the layer's three calls together (``layer``): median ms of the Triton provider and
 of the reference, the reference / Triton ratio, the bytes the op must move (every input byte read
 once, every output byte written once: the formula is in ``BYTES``) over the Triton time in GB/s,
 and that rate as a share of the same run's device copy rate (``x.clone()`` of 1 GiB, read +
@@ -40,9 +41,13 @@ def BYTES(op: str, m: int, heads: int, dim: int, elem: int) -> int:
         return 2 * k * elem
     if op == "index_k_quant":
         return k * elem + k + 4 * m  # keys in; e4m3 bytes + one fp32 scale per token out
-    if op == "indexer_q_quant":
+    if op in ("indexer_q_quant", "indexer_q_prepare"):  # prepare reads q unrotated, quant reads it rotated
         return q * elem + 4 * m * heads + q + 4 * m * heads  # q and weights in; bytes and folded weights out
     raise KeyError(op)
+
+
+# The ops a forward with FP8 KV runs per layer (the queries' pair fused into indexer_q_prepare).
+FORWARD_OPS = ("hadamard_k", "index_k_quant", "indexer_q_prepare")
 
 
 def _time_ms(fn, repeat: int, device: torch.device) -> float:
@@ -114,6 +119,8 @@ def main() -> None:
         "index_k_quant": (lambda tile=None: iq.index_k_quant(kh, tile), lambda: index_k_quant_reference(kh)),
         "indexer_q_quant": (lambda tile=None: iq.indexer_q_quant(qh, w, tile),
                             lambda: indexer_q_quant_reference(qh, w)),
+        "indexer_q_prepare": (lambda tile=None: iq.indexer_q_prepare(q, w, tile),
+                              lambda: indexer_q_quant_reference(qh, w)),
     }
 
     copy_gbs = None
@@ -137,9 +144,13 @@ def main() -> None:
             row["sweep_ms"] = sweep
             row["best_tile"] = min(sweep, key=sweep.get)
         rows.append(row)
-    layer = {"op": "layer", "bytes": sum(r["bytes"] for r in rows), "exact": all(r["exact"] for r in rows),
-             "triton_ms": sum(r["triton_ms"] for r in rows), "reference_ms": sum(r["reference_ms"] for r in rows)}
+    fwd = [r for r in rows if r["op"] in FORWARD_OPS]
+    layer = {"op": "layer", "bytes": sum(r["bytes"] for r in fwd), "exact": all(r["exact"] for r in rows),
+             "triton_ms": sum(r["triton_ms"] for r in fwd), "reference_ms": sum(r["reference_ms"] for r in fwd)}
     layer.update(rate(layer["bytes"], layer["triton_ms"]))
+    by = {r["op"]: r for r in rows}
+    pair_ms = by["hadamard_q"]["triton_ms"] + by["indexer_q_quant"]["triton_ms"]
+    layer["q_pair_separate_ms"], layer["q_pair_fused_ms"] = pair_ms, by["indexer_q_prepare"]["triton_ms"]
     rows.append(layer)
 
     print(f"M={m} H={H} D={D} {args.dtype} on {torch.cuda.get_device_name(device) if not cpu else 'cpu'}"
@@ -151,6 +162,9 @@ def main() -> None:
         print(f"{r['op']:>16} {r['bytes'] / 1e6:8.1f} {r['triton_ms']:10.3f} {r['reference_ms']:9.3f} "
               f"{r['reference_ms'] / r['triton_ms']:8.1f} {r['gbs']:7.0f} {of_copy:>6} {100 * r['of_nominal']:8.0f} "
               f"{r['exact']}" + (f"  best tile {r['best_tile']} {r['sweep_ms']}" if "sweep_ms" in r else ""))
+    print(f"queries: hadamard + indexer_q_quant {layer['q_pair_separate_ms']:.3f} ms, indexer_q_prepare "
+          f"{layer['q_pair_fused_ms']:.3f} ms ({layer['q_pair_separate_ms'] / layer['q_pair_fused_ms']:.2f}x); "
+          f"'layer' = the ops a forward runs: {', '.join(FORWARD_OPS)}")
     if not all(r["exact"] for r in rows):
         raise SystemExit("a Triton result differs from its reference")
     if args.json:

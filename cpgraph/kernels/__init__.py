@@ -80,6 +80,7 @@ def providers() -> dict:
         "hadamard": index_quant.hadamard,
         "index_k_quant": index_quant.index_k_quant,
         "indexer_q_quant": index_quant.indexer_q_quant,
+        "indexer_q_prepare": index_quant.indexer_q_prepare,
         **invariant_gemm.providers(),
     }
 

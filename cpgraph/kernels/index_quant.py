@@ -1,7 +1,8 @@
 """Triton providers of the FP8 indexer's operand preparation: Hadamard, index-K and query quantisation.
 
-With FP8 KV the indexer runs ``hadamard`` on q and k, then ``index_k_quant``
-on k and ``indexer_q_quant`` on q (``cpgraph/models/indexer.py``).  The
+With FP8 KV the indexer runs ``hadamard`` and ``index_k_quant`` on k, and
+``indexer_q_prepare`` (``indexer_q_quant(hadamard(q))`` in one op) on q
+(``cpgraph/models/indexer.py``).  The
 references are chains of small torch kernels inside custom ops (seven
 butterfly ``stack``\\ s in fp32, amax / log2 / divide / clamp / cast), which
 Inductor cannot fuse: at V3.2's 32K-token shape (q ``[32768, 64, 128]``)
@@ -37,6 +38,10 @@ Bit-exact with the references, by construction (docs/bitwise.md):
   reference's NaN byte takes the sign of whatever NaN its division produced,
   which differs between CPU and CUDA, so tests compare NaN codes as one value.
 
+``indexer_q_prepare`` runs the same butterflies, rounds to the activation
+dtype as ``hadamard`` stores it, and quantises with the same code, so its
+bytes are the pair's: q's rotated rows are neither written nor read back.
+
 A row's result depends on that row only (tiles are whole rows); grids come
 from shapes, nothing is read back on the host (CUDA-graph capturable);
 every load and store is masked by the row count and the row width; row
@@ -55,7 +60,7 @@ import triton.language as tl
 
 from cpgraph.ops import ledger
 
-from ._bits import KINDS, bits_view, e4m3_bits, load_f32, pow2_exponent, store_f32_as
+from ._bits import KINDS, bits_view, e4m3_bits, load_f32, pow2_exponent, round_to_kind, store_f32_as
 from ._launch import Launcher, interpreting
 from .codecs import _quantize_tile
 from .provider_name import PROVIDER_NAME
@@ -86,18 +91,24 @@ def _too_wide(op: str, x: torch.Tensor, d: int) -> bool:
 
 # --------------------------------------------------------------------- hadamard
 @triton.jit
+def _butterflies(y, ROWS: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
+    """The unscaled Sylvester transform of each row of ``y`` ``[ROWS, D]`` (fp32), in the reference's order."""
+    for _ in tl.static_range(LOG2D):
+        # Pair the lowest bit of the tile's index (a = bit 0, b = bit 1), as the reference's stage does,
+        # then rotate the index bits right by one: the next stage pairs the next bit.
+        a, b = tl.split(tl.reshape(y, (ROWS, D // 2, 2)))
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, D))
+    return y
+
+
+@triton.jit
 def _hadamard_kernel(x, out, n, x_stride, scale, KIND: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr,
                      ROWS: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n
     r = rows.to(tl.int64)
     cols = tl.arange(0, D)
-    y = load_f32(x + r[:, None] * x_stride + cols[None, :], ok[:, None], KIND)
-    for _ in tl.static_range(LOG2D):
-        # Pair the lowest bit of the tile's index (a = bit 0, b = bit 1), as the reference's stage does,
-        # then rotate the index bits right by one: the next stage pairs the next bit.
-        a, b = tl.split(tl.reshape(y, (ROWS, D // 2, 2)))
-        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, D))
+    y = _butterflies(load_f32(x + r[:, None] * x_stride + cols[None, :], ok[:, None], KIND), ROWS, D, LOG2D)
     store_f32_as(out + r[:, None] * D + cols[None, :], y * scale, ok[:, None], KIND)
 
 
@@ -178,6 +189,12 @@ def _indexer_q_quant_kernel(q, w, out8, w_out, n, H, q_s0, q_s1, w_s0, w_s1, KIN
     cols = tl.arange(0, DP)
     inside = ok[:, None] & (cols < D)[None, :]
     x = load_f32(q + (m * q_s0 + h * q_s1)[:, None] + cols[None, :], inside, KIND)
+    _quantize_q_rows(x, w, out8, w_out, r, m, h, ok, inside, cols, w_s0, w_s1, D)
+
+
+@triton.jit
+def _quantize_q_rows(x, w, out8, w_out, r, m, h, ok, inside, cols, w_s0, w_s1, D: tl.constexpr):
+    """Rows ``r`` (``x`` fp32, padding 0): e4m3 bytes into ``out8``, ``w[m, h] * scale`` into ``w_out``."""
     amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # exact; NaN bits > inf bits
     finite = amax_bits < 0x7F800000
     infinite = amax_bits == 0x7F800000
@@ -217,9 +234,50 @@ def indexer_q_quant(q: torch.Tensor, weights: torch.Tensor, tile=None) -> tuple[
     return out, w_out
 
 
+# ------------------------------------------------------------ indexer_q_prepare
+@triton.jit
+def _indexer_q_prepare_kernel(q, w, out8, w_out, n, H, q_s0, q_s1, w_s0, w_s1, scale, KIND: tl.constexpr,
+                              D: tl.constexpr, LOG2D: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """Rows of ``q [M, H, D]`` (``D`` a power of two): rotated, rounded to ``KIND``, then quantised as above."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < n
+    r = rows.to(tl.int64)
+    m = r // H
+    h = r - m * H
+    cols = tl.arange(0, D)
+    inside = ok[:, None] & (cols < D)[None, :]
+    x = load_f32(q + (m * q_s0 + h * q_s1)[:, None] + cols[None, :], inside, KIND)
+    x = round_to_kind(_butterflies(x, ROWS, D, LOG2D) * scale, KIND)  # what hadamard stores and the quantiser reads
+    _quantize_q_rows(x, w, out8, w_out, r, m, h, ok, inside, cols, w_s0, w_s1, D)
+
+
+def indexer_q_prepare(q: torch.Tensor, weights: torch.Tensor, tile=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Provider of ``cpgraph::indexer_q_prepare``: the rotation and the quantisation in one pass over ``q``."""
+    m, h, d = q.shape
+    if _too_wide("indexer_q_prepare", q, d):
+        from cpgraph.ops.indexer import indexer_q_prepare_reference
+
+        return indexer_q_prepare_reference(q, weights)
+    out = torch.empty((m, h, d), dtype=torch.uint8, device=q.device)
+    w_out = torch.empty((m, h), dtype=torch.float32, device=q.device)
+    n = m * h
+    if n == 0:
+        return out, w_out
+    qq = q if d == 1 or q.stride(2) == 1 else q.contiguous()
+    rows, warps = _tile("indexer_q_quant", d, n, tile)
+    _Q_PREPARE(
+        (triton.cdiv(n, rows),),
+        [bits_view(qq), weights, out, w_out, n, h, qq.stride(0), qq.stride(1), weights.stride(0), weights.stride(1),
+         d**-0.5, KINDS[q.dtype], d, d.bit_length() - 1, rows],
+        warps,
+    )  # fmt: skip
+    return out, w_out
+
+
 _HADAMARD = Launcher(_hadamard_kernel)
 _INDEX_K_QUANT = Launcher(_index_k_quant_kernel)
 _Q_QUANT = Launcher(_indexer_q_quant_kernel)
+_Q_PREPARE = Launcher(_indexer_q_prepare_kernel)
 
 
-__all__ = ["MAX_D", "TILES", "hadamard", "index_k_quant", "indexer_q_quant"]
+__all__ = ["MAX_D", "TILES", "hadamard", "index_k_quant", "indexer_q_quant", "indexer_q_prepare"]

@@ -82,13 +82,13 @@ class Indexer(nn.Module):
         w = fp32_linear(x, self.weights_proj.weight) * self.weight_scale  # fp32 by definition (models/fp32_linear.py)
 
         if layout.kv_format == "fp8":
-            q = _ops.hadamard(q)
             k = _ops.hadamard(k)
             _ops.index_k_store(index_pool, k, meta.row_slots, layout.page_size)
             cur_bytes, cur_scale = _ops.index_k_quant(k)
             pre_bytes, pre_scale = _ops.index_k_gather(index_pool, meta.prefix_slots, layout.page_size, self.head_dim)
             k_bytes, k_scale = _ops.kv_compose([pre_bytes, pre_scale], [cur_bytes, cur_scale], meta.kv_source)
-            q_bytes, w_q = _ops.indexer_q_quant(q, w)
+            q_bytes, w_q = _ops.indexer_q_prepare(q, w)  # hadamard + indexer_q_quant in one pass over q
+            del q  # read by nothing else: an eager forward frees it before the scores (the memory plan's order)
             # head_dim <= 128 -> one scale block per token (checked when the layout is built).  Scored and
             # selected a byte-budgeted chunk of rows at a time, like the dense path: never [M, N] at once.
             key_scale = k_scale[:, 0].contiguous()

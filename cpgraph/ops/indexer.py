@@ -190,16 +190,16 @@ def _indexer_logits_fake(q, k, weights, ks, ke):
 
 
 # ------------------------------------------------------------- indexer_q_quant
-def _check_q_quant(q: Tensor, weights: Tensor) -> None:
-    check_tensor("indexer_q_quant", "q", q, dtype=_FLOAT, ndim=3)
+def _check_q_quant(q: Tensor, weights: Tensor, op: str = "indexer_q_quant") -> None:
+    check_tensor(op, "q", q, dtype=_FLOAT, ndim=3)
     m, h, d = q.shape
     if isinstance(d, int) and d > QUANT_BLOCK:
         raise ValueError(
-            f"cpgraph.indexer_q_quant: argument 'q' head dim must be <= {QUANT_BLOCK} (one ue8m0 scale per "
+            f"cpgraph.{op}: argument 'q' head dim must be <= {QUANT_BLOCK} (one ue8m0 scale per "
             f"head row can be folded into the weights, several cannot), got shape {tuple(q.shape)}"
         )
-    check_tensor("indexer_q_quant", "weights", weights, dtype=torch.float32, ndim=2, shape=(m, h))
-    check_same_device("indexer_q_quant", q=q, weights=weights)
+    check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, shape=(m, h))
+    check_same_device(op, q=q, weights=weights)
 
 
 def ue8m0_scale(amax: Tensor) -> Tensor:
@@ -299,13 +299,13 @@ def _indexer_logits_fp8_fake(q_bytes, k_bytes, k_scale, weights, ks, ke):
 
 
 # --------------------------------------------------------------------- hadamard
-def _check_hadamard(x: Tensor) -> None:
-    check_tensor("hadamard", "x", x, dtype=_FLOAT)
+def _check_hadamard(x: Tensor, op: str = "hadamard", name: str = "x") -> None:
+    check_tensor(op, name, x, dtype=_FLOAT)
     if x.dim() < 1:
-        raise ValueError("cpgraph.hadamard: argument 'x' must have at least 1 dimension")
+        raise ValueError(f"cpgraph.{op}: argument '{name}' must have at least 1 dimension")
     d = x.shape[-1]
     if isinstance(d, int) and (d < 1 or d & (d - 1)):
-        raise ValueError(f"cpgraph.hadamard: argument 'x' last dim must be a power of two, got shape {tuple(x.shape)}")
+        raise ValueError(f"cpgraph.{op}: argument '{name}' last dim must be a power of two, got shape {tuple(x.shape)}")
 
 
 def hadamard_reference(x):
@@ -318,6 +318,32 @@ def hadamard_reference(x):
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
     return (y.reshape(x.shape) * (d**-0.5)).to(x.dtype)
+
+
+def indexer_q_prepare_reference(q, weights):
+    return indexer_q_quant_reference(hadamard_reference(q), weights)
+
+
+@torch.library.custom_op("cpgraph::indexer_q_prepare", mutates_args=())
+def indexer_q_prepare(q: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """``indexer_q_quant(hadamard(q), weights)``: the FP8 indexer's queries rotated, quantised and folded in one op.
+
+    Why one op: the rotated queries (``[M, 64, 128]`` in the activation dtype, 512 MB at 32K tokens)
+    are read by nothing but the quantiser, so a provider can rotate, round to ``q.dtype`` and quantise
+    each row in one pass instead of writing the rotated rows out and reading them back.  Bit-exact
+    with the two ops in sequence (the rotation is rounded to ``q.dtype`` before it is quantised, as the
+    pair does).
+    """
+    _check_q_quant(q, weights, "indexer_q_prepare")
+    _check_hadamard(q, "indexer_q_prepare", "q")
+    return select("indexer_q_prepare", q.device.type, indexer_q_prepare_reference)(q, weights)
+
+
+@indexer_q_prepare.register_fake
+def _indexer_q_prepare_fake(q, weights):
+    _check_q_quant(q, weights, "indexer_q_prepare")
+    _check_hadamard(q, "indexer_q_prepare", "q")
+    return q.new_empty(q.shape, dtype=torch.uint8), weights.new_empty(weights.shape)
 
 
 @torch.library.custom_op("cpgraph::hadamard", mutates_args=())

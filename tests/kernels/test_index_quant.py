@@ -161,6 +161,30 @@ def test_indexer_q_quant_strided_operands():
     assert same(got[0], want[0]) and same(got[1], want[1])
 
 
+# ------------------------------------------------------------ indexer_q_prepare
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 8, 128), (5, 3, 32), (1, 64, 128), (0, 4, 128), (6, 2, 1)])
+def test_indexer_q_prepare_is_the_rotation_then_the_quantisation(dtype, shape):
+    """Byte for byte the two references in sequence: the rotation rounded to ``dtype``, then quantised."""
+    q = _randn(shape, dtype, seed=sum(shape) + 25)
+    w = _randn(shape[:2], torch.float32, seed=26, scale=0.1)
+    got = iq.indexer_q_prepare(q, w)
+    want = indexer_q_quant_reference(hadamard_reference(q), w)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexer_q_prepare_special_values_and_strided_operands(dtype):
+    q = _specials(_randn((11, 128), dtype, seed=27)).view(11, 1, 128)
+    w = _randn((11, 1), torch.float32, seed=28)
+    got, want = iq.indexer_q_prepare(q, w), indexer_q_quant_reference(hadamard_reference(q), w)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+    q = _randn((8, 37, 128), dtype, seed=33).transpose(0, 1)  # [37, 8, 128], rows not m-major
+    w = _randn((8, 37), torch.float32, seed=34).t()
+    got, want = iq.indexer_q_prepare(q, w), indexer_q_quant_reference(hadamard_reference(q), w)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+
+
 # ---------------------------------------------------------------- row locality
 def test_rows_depend_only_on_themselves():
     """A row's bytes are the same in any batch: a permuted subset gives the permuted subset of the results."""
@@ -171,6 +195,7 @@ def test_rows_depend_only_on_themselves():
     assert same(iq.hadamard(q[pick]), iq.hadamard(q)[pick])
     assert all(same(a, b[pick]) for a, b in zip(iq.index_k_quant(k[pick]), iq.index_k_quant(k)))
     assert all(same(a, b[pick]) for a, b in zip(iq.indexer_q_quant(q[pick], w[pick]), iq.indexer_q_quant(q, w)))
+    assert all(same(a, b[pick]) for a, b in zip(iq.indexer_q_prepare(q[pick], w[pick]), iq.indexer_q_prepare(q, w)))
 
 
 def test_tile_size_does_not_change_bytes(monkeypatch):
@@ -185,7 +210,7 @@ def test_tile_size_does_not_change_bytes(monkeypatch):
 
 
 # ------------------------------------------------------- the ops and the ledger
-OPS = ("hadamard", "index_k_quant", "indexer_q_quant")
+OPS = ("hadamard", "index_k_quant", "indexer_q_quant", "indexer_q_prepare")
 
 
 @contextmanager
@@ -211,10 +236,12 @@ def test_ops_run_the_triton_providers_and_the_ledger_says_so():
         qh = ops.hadamard(q)
         kb = ops.index_k_quant(qh[:, 0])
         qb = ops.indexer_q_quant(qh, w)
-        assert [_counts(op) for op in OPS] == [[("triton", 1, None)]] * 3
+        qp = ops.indexer_q_prepare(q, w)
+        assert [_counts(op) for op in OPS] == [[("triton", 1, None)]] * 4
     assert same(qh, hadamard_reference(q))
     assert all(same(a, b) for a, b in zip(kb, index_k_quant_reference(qh[:, 0])))
     assert all(same(a, b) for a, b in zip(qb, indexer_q_quant_reference(qh, w)))
+    assert all(same(a, b) for a, b in zip(qp, qb))  # the fused op is the pair, to the byte
 
 
 def test_rows_wider_than_the_kernel_fall_back_with_a_reason(caplog, monkeypatch):
@@ -238,12 +265,16 @@ def test_opcheck_with_the_triton_providers():
         torch.library.opcheck(ops.hadamard.default, (q,))
         torch.library.opcheck(ops.index_k_quant.default, (q[:, 0].contiguous(),))
         torch.library.opcheck(ops.indexer_q_quant.default, (q, w))
+        for args in ((q, w), (_randn((3, 4, 64), torch.float32, seed=29), _randn((3, 4), torch.float32, seed=30)),
+                     (_randn((7, 1, 128), torch.float16, seed=31), _randn((7, 1), torch.float32, seed=32))):
+            torch.library.opcheck(ops.indexer_q_prepare.default, args)
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="CPU (interpreter) only: on CUDA the rest of the forward would have to be "
                     "bitwise reproducible run to run too; the gpu test below covers these kernels there")
 def test_fp8_cache_prefill_is_the_same_with_the_kernels(monkeypatch):
-    """A tiny FP8-cache prefill (every layer's indexer runs the three ops) gives the reference run's bits."""
+    """A tiny FP8-cache prefill (every layer's indexer runs hadamard on k, index_k_quant and indexer_q_prepare)
+    gives the reference run's bits."""
     from cpgraph.models import DSAConfig, build_model, init_random, prefill
     from cpgraph.models.config import bundled_config_dict
 
@@ -258,7 +289,7 @@ def test_fp8_cache_prefill_is_the_same_with_the_kernels(monkeypatch):
             ledger.forget(op, DEV)
         got = prefill(model, prompts, kv_format="fp8", return_topk=True)
         ran = {op: {r["implementation"] for r in calls(DEV).get(op, [])} for op in OPS}
-    assert ran == {op: {"triton"} for op in OPS}
+    assert ran == {op: {"triton"} for op in OPS if op != "indexer_q_quant"} | {"indexer_q_quant": set()}
     assert torch.equal(got.logits, want.logits)
     assert all(torch.equal(a, b) for a, b in zip(got.topk, want.topk))
 
@@ -280,6 +311,7 @@ def test_gpu_v32_shapes_bit_exact_and_graph_replay():
     assert all(same(a, b) for a, b in zip(iq.index_k_quant(kh), index_k_quant_reference(kh)))
     want_q = indexer_q_quant_reference(qh, w)
     assert all(same(a, b) for a, b in zip(iq.indexer_q_quant(qh, w), want_q))
+    assert all(same(a, b) for a, b in zip(iq.indexer_q_prepare(q, w), want_q))
 
     small_q, small_w = q[:4096].clone(), w[:4096].clone()
     stream = torch.cuda.Stream()

@@ -41,14 +41,14 @@ def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logit
     t.alloc("w", 4 * R * hi)  # * weight_scale
     t.free("w.proj")
     if index_format == "fp8":
-        _hadamard(t, "iq.h", R * hi * di, a)
-        t.free("iq")
         _hadamard(t, "ik.h", R * di, a)
         t.free("ik")
         t.alloc("ik.quant_tmp", 2 * 4 * R * di)  # index_k_quant (reference): fp32 copies
         t.alloc("ik.bytes", R * di + 4 * R)
         t.free("ik.quant_tmp")
         _compose(t, "k_view", R, N, di + 4)  # e4m3 keys + fp32 scales
+        # indexer_q_prepare (its reference: hadamard, then indexer_q_quant; the rotated queries live only inside)
+        _hadamard(t, "iq.h", R * hi * di, a)
         t.alloc("qq.f32", 2 * 4 * R * hi * di)  # indexer_q_quant (reference): q.float(), .abs()
         t.free("qq.f32")
         t.alloc("qq.amax", 4 * R * hi)
@@ -56,10 +56,10 @@ def _indexer(t: _Tape, cfg, R: int, N: int, a: int, index_format: str, max_logit
         t.alloc("q_bytes", R * hi * di)
         t.free("qq.f32")
         t.alloc("w_q", 4 * R * hi)
-        t.free("qq.amax")
+        t.free("qq.amax", "iq.h", "iq")  # the op returns; the model drops q
         t.alloc("k_scale", 4 * N)  # k_scale[:, 0].contiguous()
         _chunked_topk(t, R, N, topk, max_logits_bytes)  # indexer_topk's FP8 form: e4m3 operands, same chunks
-        t.free("iq.h", "ik.h", "ik.bytes", "k_view", "q_bytes", "w_q", "k_scale", "w")
+        t.free("ik.h", "ik.bytes", "k_view", "q_bytes", "w_q", "k_scale", "w")
         return
     _compose(t, "k_view", R, N, di * a)
     _chunked_topk(t, R, N, topk, max_logits_bytes)
