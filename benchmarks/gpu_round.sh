@@ -122,7 +122,7 @@ forward)
     # (their GPU tests are gated by needs_gpu, not the gpu marker: the whole files, CPU cases included)
     step fp8_gpu_tests python3 -m pytest -q tests/kernels/test_deep_gemm_experts.py tests/ops/test_fp8_linear.py \
         tests/ops/test_norm_quant.py tests/passes/test_fuse_norm_quant.py tests/ops/test_moe_route.py \
-        tests/ops/test_mla_output.py -p no:cacheprovider
+        tests/ops/test_mla_output.py tests/kernels/test_index_quant.py -p no:cacheprovider
     # --replay: the indexer's first call replayed on its own arguments, rested and right after a forward, with the
     # clocks of each window (is the FP8 scoring's loss in the forward its inputs or the GPU's state?)
     step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
