@@ -22,7 +22,6 @@ speedup over each peer.  ``--sweep`` also times rows per program x warps.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
-from peer_rates import copy_peer, peer_args, print_rates, rates, setup  # noqa: E402
+from peer_rates import copy_peer, finish, peer_args, rates, setup  # noqa: E402
 
 # name -> (experts, n_group, topk_group, top_k, routed scaling)
 CASES = {"v32": (256, 8, 4, 8, 2.5), "glm5": (256, 1, 1, 8, 2.5)}
@@ -106,16 +105,7 @@ def main(argv=None) -> dict:
                 "bytes": nbytes, "copy_gbs": nbytes / ms["copy"] / 1e6, "results": rates(ms, nbytes)})
             del scores, src, dst
 
-    from cpgraph.ops.providers import active_provider
-
-    provider = active_provider("moe_route", device.type)
-    where = torch.cuda.get_device_name(device) if cuda else "cpu (dry run: the times mean nothing)"
-    print(f"moe_route ({provider}) on {where} (bytes: ours' traffic; GB/s of those bytes over each peer's time)")
-    print_rates(report_cases, [("case", 5), ("rows", 7)])
-    report = {"device": where, "provider": provider, "repeat": repeat, "cases": report_cases}
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return report
+    return finish(args, "moe_route", report_cases, [("case", 5), ("rows", 7)], repeat=repeat)
 
 
 if __name__ == "__main__":

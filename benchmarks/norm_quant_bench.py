@@ -28,7 +28,6 @@ counts, and two sweeps of several tiles.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
-from peer_rates import copy_peer, peer_args, print_rates, rates, setup  # noqa: E402
+from peer_rates import copy_peer, finish, peer_args, rates, setup  # noqa: E402
 
 # name -> (K, residual add, normed rows written for another reader)
 CASES = {"attn_input": (7168, True, True), "q_latent": (1536, False, False)}
@@ -112,17 +111,8 @@ def main(argv=None) -> dict:
             report_cases.append(case)
             del x, res, src, dst
 
-    from cpgraph.ops.providers import active_provider
-
-    provider = active_provider("fp8_rms_norm_quantize", device.type)  # what "ours" ran (the sweep: the kernel)
-    where = torch.cuda.get_device_name(device) if cuda else "cpu (dry run: the times mean nothing)"
-    print(f"fp8_rms_norm_quantize ({provider}) on {where} (bytes: ours' traffic; GB/s of those bytes over each "
-          f"peer's time)")
-    print_rates(report_cases, [("case", 11), ("rows", 6)], peer_width=16)
-    report = {"device": where, "provider": provider, "repeat": repeat, "cases": report_cases}
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return report
+    return finish(args, "fp8_rms_norm_quantize", report_cases, [("case", 11), ("rows", 6)], peer_width=16,
+                  repeat=repeat)
 
 
 if __name__ == "__main__":

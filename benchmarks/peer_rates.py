@@ -8,6 +8,7 @@ roofline) and reports every peer against the same byte count, so the columns mea
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -45,6 +46,22 @@ def rates(ms: dict[str, float], nbytes: int) -> dict:
     """Per peer: ``ms``, ``gbs`` (ours' bytes over its time), ``of_copy`` and ``ours_speedup`` (needs ``ours``, ``copy``)."""
     return {p: {"ms": t, "gbs": nbytes / t / 1e6, "of_copy": ms["copy"] / t, "ours_speedup": t / ms["ours"]}
             for p, t in ms.items()}
+
+
+def finish(args, op: str, cases: list[dict], keys: list[tuple[str, int]], peer_width: int = 14, **extra) -> dict:
+    """Print the table under a header naming the provider of ``op`` that ran as ``ours`` and the device; write
+    ``--json``; return the report."""
+    from cpgraph.ops.providers import active_provider
+
+    device = torch.device(args.device)
+    provider = active_provider(op, device.type)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run: the times mean nothing)"
+    print(f"{op} ({provider}) on {where} (bytes: ours' traffic; GB/s of those bytes over each peer's time)")
+    print_rates(cases, keys, peer_width)
+    report = {"device": where, "provider": provider, **extra, "cases": cases}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
 
 
 def print_rates(cases: list[dict], keys: list[tuple[str, int]], peer_width: int = 14, ms_digits: int = 4) -> None:

@@ -181,6 +181,13 @@ def index_k_quant(keys: torch.Tensor, tile=None) -> tuple[torch.Tensor, torch.Te
 def _indexer_q_quant_kernel(q, w, out8, w_out, n, H, q_s0, q_s1, w_s0, w_s1, KIND: tl.constexpr, D: tl.constexpr,
                             DP: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """Row ``r = m * H + h`` of ``q [M, H, D]`` (unit last stride) -> e4m3 bytes and ``w[m, h] * scale``."""
+    x, r, m, h, ok, inside, cols = _load_q_rows(q, n, H, q_s0, q_s1, KIND, D, DP, ROWS)
+    _quantize_q_rows(x, w, out8, w_out, r, m, h, ok, inside, cols, w_s0, w_s1, D)
+
+
+@triton.jit
+def _load_q_rows(q, n, H, q_s0, q_s1, KIND: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr):
+    """This program's rows ``r = m * H + h`` of ``q [M, H, D]`` in fp32 (padding 0), with their indices and masks."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n
     r = rows.to(tl.int64)
@@ -189,7 +196,7 @@ def _indexer_q_quant_kernel(q, w, out8, w_out, n, H, q_s0, q_s1, w_s0, w_s1, KIN
     cols = tl.arange(0, DP)
     inside = ok[:, None] & (cols < D)[None, :]
     x = load_f32(q + (m * q_s0 + h * q_s1)[:, None] + cols[None, :], inside, KIND)
-    _quantize_q_rows(x, w, out8, w_out, r, m, h, ok, inside, cols, w_s0, w_s1, D)
+    return x, r, m, h, ok, inside, cols
 
 
 @triton.jit
@@ -239,14 +246,7 @@ def indexer_q_quant(q: torch.Tensor, weights: torch.Tensor, tile=None) -> tuple[
 def _indexer_q_prepare_kernel(q, w, out8, w_out, n, H, q_s0, q_s1, w_s0, w_s1, scale, KIND: tl.constexpr,
                               D: tl.constexpr, LOG2D: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """Rows of ``q [M, H, D]`` (``D`` a power of two): rotated, rounded to ``KIND``, then quantised as above."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ok = rows < n
-    r = rows.to(tl.int64)
-    m = r // H
-    h = r - m * H
-    cols = tl.arange(0, D)
-    inside = ok[:, None] & (cols < D)[None, :]
-    x = load_f32(q + (m * q_s0 + h * q_s1)[:, None] + cols[None, :], inside, KIND)
+    x, r, m, h, ok, inside, cols = _load_q_rows(q, n, H, q_s0, q_s1, KIND, D, D, ROWS)
     x = round_to_kind(_butterflies(x, ROWS, D, LOG2D) * scale, KIND)  # what hadamard stores and the quantiser reads
     _quantize_q_rows(x, w, out8, w_out, r, m, h, ok, inside, cols, w_s0, w_s1, D)
 
