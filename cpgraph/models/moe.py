@@ -1,6 +1,7 @@
 """Mixture of experts: sigmoid router with correction bias, group-limited top-k.
 
-Routing follows transformers 5.24 exactly: ``scores = sigmoid(x @ W^T)`` in
+Routing chooses what transformers 5.24 chooses (the selection is ``cpgraph::moe_route``,
+which fixes the slot order and the tie rule): ``scores = sigmoid(x @ W^T)`` in
 fp32; choice scores add ``e_score_correction_bias``; a group's score is the
 sum of its two best choice scores; only the best ``topk_group`` groups stay
 eligible; the top ``num_experts_per_tok`` eligible experts are taken; their
