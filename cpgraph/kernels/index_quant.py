@@ -217,28 +217,34 @@ def _quantize_q_rows(x, w, out8, w_out, r, m, h, ok, inside, cols, w_s0, w_s1, D
     tl.store(w_out + r, wv * scale, mask=ok)
 
 
-def indexer_q_quant(q: torch.Tensor, weights: torch.Tensor, tile=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Provider of ``cpgraph::indexer_q_quant``: ``(uint8 [M, H, D], f32 [M, H])``, contiguous, in one pass."""
+def _q_rows(launcher, q: torch.Tensor, weights: torch.Tensor, tile, before_kind: list, constexprs: list):
+    """Launch a query-row kernel (``q, w, out8, w_out, n, H`` and the strides, ``before_kind``, then ``KIND`` and
+    ``constexprs``) over ``q [M, H, D]``; returns ``(uint8 [M, H, D], f32 [M, H])``, contiguous."""
     m, h, d = q.shape
-    if d == 0:  # no amax to take: the reference raises, so does this
-        from cpgraph.ops.indexer import indexer_q_quant_reference
-
-        return indexer_q_quant_reference(q, weights)
     out = torch.empty((m, h, d), dtype=torch.uint8, device=q.device)
     w_out = torch.empty((m, h), dtype=torch.float32, device=q.device)
     n = m * h
     if n == 0:
         return out, w_out
     qq = q if d == 1 or q.stride(2) == 1 else q.contiguous()  # rows may be strided, values not
-    dp = triton.next_power_of_2(d)
-    rows, warps = _tile("indexer_q_quant", dp, n, tile)
-    _Q_QUANT(
+    rows, warps = _tile("indexer_q_quant", triton.next_power_of_2(d), n, tile)
+    launcher(
         (triton.cdiv(n, rows),),
         [bits_view(qq), weights, out, w_out, n, h, qq.stride(0), qq.stride(1), weights.stride(0), weights.stride(1),
-         KINDS[q.dtype], d, dp, rows],
+         *before_kind, KINDS[q.dtype], *constexprs, rows],
         warps,
     )  # fmt: skip
     return out, w_out
+
+
+def indexer_q_quant(q: torch.Tensor, weights: torch.Tensor, tile=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Provider of ``cpgraph::indexer_q_quant``: ``(uint8 [M, H, D], f32 [M, H])``, contiguous, in one pass."""
+    d = q.shape[2]
+    if d == 0:  # no amax to take: the reference raises, so does this
+        from cpgraph.ops.indexer import indexer_q_quant_reference
+
+        return indexer_q_quant_reference(q, weights)
+    return _q_rows(_Q_QUANT, q, weights, tile, [], [d, triton.next_power_of_2(d)])
 
 
 # ------------------------------------------------------------ indexer_q_prepare
@@ -252,26 +258,10 @@ def _indexer_q_prepare_kernel(q, w, out8, w_out, n, H, q_s0, q_s1, w_s0, w_s1, s
 
 
 def indexer_q_prepare(q: torch.Tensor, weights: torch.Tensor, tile=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Provider of ``cpgraph::indexer_q_prepare``: the rotation and the quantisation in one pass over ``q``."""
-    m, h, d = q.shape
-    if _too_wide("indexer_q_prepare", q, d):
-        from cpgraph.ops.indexer import indexer_q_prepare_reference
-
-        return indexer_q_prepare_reference(q, weights)
-    out = torch.empty((m, h, d), dtype=torch.uint8, device=q.device)
-    w_out = torch.empty((m, h), dtype=torch.float32, device=q.device)
-    n = m * h
-    if n == 0:
-        return out, w_out
-    qq = q if d == 1 or q.stride(2) == 1 else q.contiguous()
-    rows, warps = _tile("indexer_q_quant", d, n, tile)
-    _Q_PREPARE(
-        (triton.cdiv(n, rows),),
-        [bits_view(qq), weights, out, w_out, n, h, qq.stride(0), qq.stride(1), weights.stride(0), weights.stride(1),
-         d**-0.5, KINDS[q.dtype], d, d.bit_length() - 1, rows],
-        warps,
-    )  # fmt: skip
-    return out, w_out
+    """Provider of ``cpgraph::indexer_q_prepare``: the rotation and the quantisation in one pass over ``q``
+    (the op guarantees a power-of-two ``D <= 128``: one program row holds a whole row)."""
+    d = q.shape[2]
+    return _q_rows(_Q_PREPARE, q, weights, tile, [d**-0.5], [d, d.bit_length() - 1])
 
 
 _HADAMARD = Launcher(_hadamard_kernel)
