@@ -81,8 +81,37 @@ def scores_for(m, e, seed=0, kind="random"):
 
 
 def same_bits(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32 if a.is_floating_point()
-                                                                           else a.dtype), b.view(torch.int32 if b.is_floating_point() else b.dtype))
+    """Equal bit patterns, NaN aside: a NaN must sit where the other has one, but its payload and sign are the
+    hardware's (x86 makes ``-nan`` where a GPU makes its canonical ``nan``), so NaNs compare as one pattern."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    if not torch.equal(a.isnan(), b.isnan()):
+        return False
+    a, b = a.nan_to_num(0.0, posinf=float("inf"), neginf=float("-inf")), b.nan_to_num(0.0, posinf=float("inf"),
+                                                                                      neginf=float("-inf"))
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def bit_diff(a, b) -> str:
+    """The first entries whose bits differ (NaNs as one pattern), for an assertion's message."""
+    a, b = a.float(), b.float()
+    bad = (a.isnan() != b.isnan()) | (~a.isnan() & (a.view(torch.int32) != b.view(torch.int32)))
+    at = bad.nonzero()[:4].tolist()
+    return f"{int(bad.sum())} entries differ, e.g. " + ", ".join(f"{tuple(i)}: {a[tuple(i)].item()!r} vs "
+                                                                  f"{b[tuple(i)].item()!r}" for i in at)
+
+
+def test_same_bits_treats_nan_payloads_alike_and_nothing_else():
+    x = torch.tensor([1.0, float("nan"), -0.0, float("inf")])
+    y = x.clone()
+    y.view(torch.int32)[1] = -4194304  # 0xFFC00000: x86's default NaN, a GPU's is 0x7FFFFFFF
+    assert same_bits(x, y)
+    for i, v in ((0, 1.0000001), (2, 0.0), (3, 3.0e38), (1, 0.0)):
+        z = y.clone()
+        z[i] = v
+        assert not same_bits(x, z), i
 
 
 @pytest.mark.parametrize("e,n_group,topk_group,top_k", SHAPES)
@@ -169,7 +198,7 @@ def test_kernel_equals_the_reference(e, n_group, topk_group, top_k, kind):
                         rows_per_program=rows)
         want = moe_route_reference(s, b, n_group, topk_group, top_k, norm, 2.5)
         assert torch.equal(got[0].cpu(), want[0]), (norm, rows)
-        assert same_bits(got[1].cpu(), want[1]), (norm, rows)
+        assert same_bits(got[1].cpu(), want[1]), (norm, rows, bit_diff(got[1].cpu(), want[1]))
 
 
 @needs_kernels
