@@ -87,8 +87,9 @@ build_deep_gemm() {  # in the background; the wheel lands in $OUT (and the site)
 guard_new_kernels() {  # each new kernel's GPU tests; a failing one's op goes to CPGRAPH_PROVIDERS=op:reference
     local pair file op rc fallback=()
     if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" forward_32k "* ]]; then return 0; fi
-    for pair in tests/ops/test_moe_route.py:moe_route tests/ops/test_mla_output.py:mla_output \
-        tests/kernels/test_index_quant.py:indexer_q_prepare; do
+    # GUARD="file:op ..." names the pairs (default: the kernels built without a device in the last rounds)
+    for pair in ${GUARD:-tests/ops/test_moe_route.py:moe_route tests/ops/test_mla_output.py:mla_output \
+        tests/kernels/test_index_quant.py:indexer_q_prepare tests/ops/test_norm_quant.py:fp8_rms_norm_quantize}; do
         file=${pair%%:*}
         op=${pair##*:}
         python3 -m pytest -q -x "$file" -p no:cacheprovider >"/tmp/guard_$op.log" 2>&1

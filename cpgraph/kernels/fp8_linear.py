@@ -83,13 +83,18 @@ def _quantize_kernel(
 
 
 @triton.jit
-def quantize_group(v, ok, POW2: tl.constexpr):
+def quantize_group(v, ok, POW2: tl.constexpr, CLAMP: tl.constexpr = True):
     """``[R, G]`` fp32 values (``ok`` masks the group's real columns) -> ``(clamped x / scale, scale [R])``.
 
     The op reference's arithmetic: amax over the group, ``max(amax, 1e-4) /
     448`` IEEE-rounded (or the power of two above it), NaN scale for a group
     holding a NaN or infinity; shared by every kernel that quantises
     activations so they all produce the reference's codes.
+
+    ``CLAMP=False`` leaves the clamp to ``[-448, 448]`` to the store: the
+    GPU's e4m3 conversion saturates finite values (``cvt.rn.satfinite``) and
+    keeps NaN, which is the clamp's result, for four instructions a value
+    fewer (:func:`store_e4m3` with ``HW_CAST``).
     """
     mag = tl.abs(v)
     mag = tl.where(mag == mag, mag, float("inf"))  # tl.max drops NaN (fmax): count a NaN as an infinity
@@ -104,7 +109,8 @@ def quantize_group(v, ok, POW2: tl.constexpr):
     else:
         s = tl.where(finite, tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0), float("nan"))
         y = tl.math.div_rn(v, s[:, None])
-    y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))  # comparisons keep NaN as NaN
+    if CLAMP:
+        y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))  # comparisons keep NaN as NaN
     return y, s
 
 

@@ -37,23 +37,43 @@ from .fp8_linear import quantize_group, store_e4m3
 
 
 @triton.jit
-def _row_tile(x, res, row_x, row_r, cols, ok, KIND: tl.constexpr, HAS_RES: tl.constexpr):
+def _round(v, KIND: tl.constexpr, HW_CAST: tl.constexpr):
+    """fp32 -> the activation dtype -> fp32, round to nearest even.  On the GPU a bf16 value takes the hardware
+    conversion (``cvt.rn.bf16``, one instruction for two values) instead of the bit-level one (about eight a
+    value, which left this kernel issue-bound); both round alike and differ only in a NaN's payload."""
+    if HW_CAST and KIND == 1:
+        return v.to(tl.bfloat16).to(tl.float32)
+    else:
+        return round_to_kind(v, KIND)
+
+
+@triton.jit
+def _store_as(ptrs, v, ok, KIND: tl.constexpr, HW_CAST: tl.constexpr):
+    """Store fp32 values already rounded to the activation dtype (exact), bf16 as its int16 bits."""
+    if HW_CAST and KIND == 1:
+        tl.store(ptrs, v.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=ok)
+    else:
+        store_f32_as(ptrs, v, ok, KIND)
+
+
+@triton.jit
+def _row_tile(x, res, row_x, row_r, cols, ok, KIND: tl.constexpr, HAS_RES: tl.constexpr, HW_CAST: tl.constexpr):
     """``s`` of one tile: ``x`` (+ the residual, rounded to the activation dtype)."""
     s = load_f32(x + row_x + cols, ok, KIND)
     if HAS_RES:
-        s = round_to_kind(s + load_f32(res + row_r + cols, ok, KIND), KIND)
+        s = _round(s + load_f32(res + row_r + cols, ok, KIND), KIND, HW_CAST)
     return s
 
 
 @triton.jit
 def _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K,
-                  GROUP: tl.constexpr, KIND: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+                  GROUP: tl.constexpr, KIND: tl.constexpr, HAS_RES: tl.constexpr, HW_CAST: tl.constexpr):  # fmt: skip
     """Sweep 1 on one tile: ``s`` (written out as ``summed`` with a residual), its squares added to ``acc``."""
     cols = (g0 + gi)[:, None] * GROUP + ci[None, :]
     ok = (ci[None, :] < GROUP) & (cols < K)  # a group past the last starts at >= K: masked too
-    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
+    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES, HW_CAST)
     if HAS_RES:
-        store_f32_as(summed + row_o + cols, s, ok, KIND)
+        _store_as(summed + row_o + cols, s, ok, KIND, HW_CAST)
     return acc + s * s
 
 
@@ -63,10 +83,10 @@ def _emit_tile(s, w, normed, q, scales, row, row_o, cols, ok, g, rstd, M, G,
                HW_CAST: tl.constexpr):  # fmt: skip
     """The normed values of one tile rounded to the activation dtype (written when asked), then their codes and
     scales."""
-    h = round_to_kind((s * rstd) * load_f32(w + cols, ok, W_KIND), KIND)
+    h = _round((s * rstd) * load_f32(w + cols, ok, W_KIND), KIND, HW_CAST)
     if EMIT_NORMED:
-        store_f32_as(normed + row_o + cols, h, ok, KIND)
-    y, sc = quantize_group(h, ok, POW2)
+        _store_as(normed + row_o + cols, h, ok, KIND, HW_CAST)
+    y, sc = quantize_group(h, ok, POW2, not HW_CAST)  # on the GPU the saturating e4m3 store clamps
     store_e4m3(q + row_o + cols, y, ok, HW_CAST)
     tl.store(scales + row + g.to(tl.int64) * M, sc, mask=g < G)  # column-major [M, G]
 
@@ -79,7 +99,7 @@ def _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, g
     g = g0 + gi
     cols = g[:, None] * GROUP + ci[None, :]
     ok = (ci[None, :] < GROUP) & (cols < K)
-    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
+    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES, HW_CAST)
     _emit_tile(s, w, normed, q, scales, row, row_o, cols, ok, g, rstd, M, G, POW2, KIND, W_KIND, EMIT_NORMED,
                HW_CAST)
 
@@ -100,9 +120,9 @@ def _rms_norm_quantize_kernel(
     if ONE_SWEEP:  # the whole row is one tile (TG >= G): read once, kept in registers
         cols = gi[:, None] * GROUP + ci[None, :]
         ok = (ci[None, :] < GROUP) & (cols < K)
-        s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES)
+        s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES, HW_CAST)
         if HAS_RES:
-            store_f32_as(summed + row_o + cols, s, ok, KIND)
+            _store_as(summed + row_o + cols, s, ok, KIND, HW_CAST)
         mean = tl.math.div_rn(tl.sum(tl.sum(s * s, axis=1), axis=0), K_F)
         rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
         _emit_tile(s, w, normed, q, scales, row, row_o, cols, ok, gi, rstd, M, G, POW2, KIND, W_KIND, EMIT_NORMED,
@@ -112,11 +132,13 @@ def _rms_norm_quantize_kernel(
         if LOOP_WHILE:  # the interpreter cannot take a runtime bound in range()
             g0 = 0
             while g0 < G:
-                acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES)
+                acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES,
+                                     HW_CAST)
                 g0 += TG
         else:
             for g0 in range(0, G, TG):
-                acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES)
+                acc = _squares_tile(acc, x, res, summed, row_x, row_r, row_o, g0, gi, ci, K, GROUP, KIND, HAS_RES,
+                                     HW_CAST)
         mean = tl.math.div_rn(tl.sum(tl.sum(acc, axis=1), axis=0), K_F)
         rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
         if LOOP_WHILE:
