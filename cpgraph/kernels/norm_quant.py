@@ -13,6 +13,12 @@ quantisation groups (``TG * group`` values):
    FP8 kernel here shares, so the codes are exactly those of the rounded
    row (the op's contract).
 
+On the GPU the bf16 roundings take the hardware conversion and the e4m3
+store's saturation does the clamp: the bit-level forms (which the
+interpreter needs) made the kernel issue-bound, slower than Inductor's norm
+followed by the quantiser (docs/performance.md, "Third round").  The values
+are the same; only a NaN's payload differs (the GPU's canonical NaN).
+
 Why two paths: one sweep reads the row once, but holds all of it in
 registers, which bounds the width; two sweeps work for any width (a user's
 model) with the same registers, the second reading from L2 while the rows
