@@ -42,8 +42,10 @@ from peer_rates import copy_peer, finish, peer_args, rates, setup  # noqa: E402
 # name -> (K, residual add, normed rows written for another reader)
 CASES = {"attn_input": (7168, True, True), "q_latent": (1536, False, False)}
 # --sweep variants (row_values, tile_values, warps): the whole row in registers (one sweep) at 4 / 8 / 16 warps,
-# and two sweeps of a 1024- to 4096-value tile (row_values 0 forces them)
-SWEEP = [(8192, 2048, 4), (8192, 2048, 8), (8192, 2048, 16), (0, 1024, 4), (0, 2048, 4), (0, 2048, 8), (0, 4096, 8)]
+# and two sweeps of a 512- to 4096-value tile (row_values 0 forces them; no padding where the tile divides the
+# row: 7168 = 7 x 1024, 1536 = 3 x 512, where one sweep pads to 8192 and 2048)
+SWEEP = [(8192, 2048, 4), (8192, 2048, 8), (8192, 2048, 16), (0, 512, 4), (0, 1024, 4), (0, 1024, 8), (0, 2048, 4),
+         (0, 2048, 8), (0, 4096, 8)]
 
 
 def traffic(m: int, k: int, residual: bool, emit: bool) -> int:

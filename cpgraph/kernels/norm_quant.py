@@ -6,7 +6,8 @@ quantisation groups (``TG * group`` values):
 
 1. add the residual (rounded to the activation dtype, written out as
    ``summed``) and accumulate the fp32 squares;
-2. re-read the row (from L2 while it stays there), scale by
+2. re-read the row (from L2 while it stays there: ``summed`` as step 1
+   wrote it when there is a residual, else ``x``), scale by
    ``rsqrt(mean + eps)`` and the weight, round to the activation dtype
    (written out as ``normed`` when asked), and quantise each group with
    :func:`~cpgraph.kernels.fp8_linear.quantize_group`, the quantiser every
@@ -98,14 +99,19 @@ def _emit_tile(s, w, normed, q, scales, row, row_o, cols, ok, g, rstd, M, G,
 
 
 @triton.jit
-def _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+def _quantize_tile(x, summed, w, normed, q, scales, row, row_x, row_o, g0, gi, ci, rstd, M, K, G,
                    GROUP: tl.constexpr, POW2: tl.constexpr, KIND: tl.constexpr, W_KIND: tl.constexpr,
                    HAS_RES: tl.constexpr, EMIT_NORMED: tl.constexpr, HW_CAST: tl.constexpr):  # fmt: skip
-    """Sweep 2 on one tile: the row's values again (from L2), then :func:`_emit_tile`."""
+    """Sweep 2 on one tile: the row's values again (from L2), then :func:`_emit_tile`.  With a residual that is
+    ``summed`` as sweep 1 wrote it (already rounded: one read and no add instead of two reads, an add and a
+    rounding), else ``x``."""
     g = g0 + gi
     cols = g[:, None] * GROUP + ci[None, :]
     ok = (ci[None, :] < GROUP) & (cols < K)
-    s = _row_tile(x, res, row_x, row_r, cols, ok, KIND, HAS_RES, HW_CAST)
+    if HAS_RES:
+        s = load_f32(summed + row_o + cols, ok, KIND)
+    else:
+        s = load_f32(x + row_x + cols, ok, KIND)
     _emit_tile(s, w, normed, q, scales, row, row_o, cols, ok, g, rstd, M, G, POW2, KIND, W_KIND, EMIT_NORMED,
                HW_CAST)
 
@@ -147,15 +153,17 @@ def _rms_norm_quantize_kernel(
                                      HW_CAST)
         mean = tl.math.div_rn(tl.sum(tl.sum(acc, axis=1), axis=0), K_F)
         rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
+        if HAS_RES:
+            tl.debug_barrier()  # sweep 1's ``summed`` stores visible to every thread of the program before sweep 2
         if LOOP_WHILE:
             g0 = 0
             while g0 < G:
-                _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+                _quantize_tile(x, summed, w, normed, q, scales, row, row_x, row_o, g0, gi, ci, rstd, M, K, G,
                                GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
                 g0 += TG
         else:
             for g0 in range(0, G, TG):
-                _quantize_tile(x, res, w, normed, q, scales, row, row_x, row_r, row_o, g0, gi, ci, rstd, M, K, G,
+                _quantize_tile(x, summed, w, normed, q, scales, row, row_x, row_o, g0, gi, ci, rstd, M, K, G,
                                GROUP, POW2, KIND, W_KIND, HAS_RES, EMIT_NORMED, HW_CAST)
 
 
