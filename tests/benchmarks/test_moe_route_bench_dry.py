@@ -6,35 +6,26 @@ imported); the Inductor peer is skipped (``--no-compile``) to keep it to seconds
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import moe_route_bench as bench  # noqa: E402  (imports no kernel at module level)
+from bench_dry import assert_peer_rates, run_bench  # noqa: E402
 
 
 def test_dry_run_checks_and_reports_every_case(tmp_path):
-    out = tmp_path / "route.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "moe_route_bench.py"), "--device", "cpu", "--rows", "5",
-           "--no-compile", "--json", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
+    report, _ = run_bench("moe_route_bench.py", tmp_path / "route.json", "--device", "cpu", "--rows", "5",
+                          "--no-compile")
     assert [(c["case"], c["rows"]) for c in report["cases"]] == [("v32", 5), ("glm5", 5)]
     for case in report["cases"]:
         assert case["bytes"] == bench.traffic(5, 256, 8)
         assert set(case["results"]) == {"ours", "torch", "copy"}
-        for r in case["results"].values():
-            assert r["ms"] > 0 and r["gbs"] == pytest.approx(case["bytes"] / r["ms"] / 1e6)
+        assert_peer_rates(case)
 
 
 def test_the_torch_peer_is_the_routing_the_op_replaced():

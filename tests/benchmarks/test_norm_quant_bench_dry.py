@@ -6,34 +6,25 @@ kernel module is imported); the Inductor peers are skipped (``--no-compile``) to
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import norm_quant_bench as bench  # noqa: E402  (imports no kernel at module level)
+from bench_dry import assert_peer_rates, run_bench  # noqa: E402
 
 
 def test_dry_run_checks_the_kernel_and_reports_every_case(tmp_path):
-    out = tmp_path / "nq.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "norm_quant_bench.py"), "--device", "cpu", "--rows", "5",
-           "--no-compile", "--json", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
+    report, _ = run_bench("norm_quant_bench.py", tmp_path / "nq.json", "--device", "cpu", "--rows", "5",
+                          "--no-compile")
     assert [(c["case"], c["rows"]) for c in report["cases"]] == [("attn_input", 5), ("q_latent", 5)]
     for case in report["cases"]:
         assert case["bytes"] == bench.traffic(5, case["K"], case["residual"], case["emit_normed"])
         assert set(case["results"]) == {"ours", "copy"}
-        for r in case["results"].values():
-            assert r["ms"] > 0 and r["gbs"] == pytest.approx(case["bytes"] / r["ms"] / 1e6)
+        assert_peer_rates(case)
 
 
 def test_traffic_counts_what_the_kernel_reads_and_writes():

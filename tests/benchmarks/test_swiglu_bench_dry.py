@@ -7,9 +7,6 @@ first.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,17 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import swiglu_bench as bench  # noqa: E402  (imports no kernel at module level)
+from bench_dry import assert_peer_rates, run_bench  # noqa: E402
 
 
 def _run(tmp_path, *extra: str) -> dict:
-    out = tmp_path / "swiglu.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "swiglu_bench.py"), "--device", "cpu", "--rows", "24",
-           "--inter", "80", "--experts", "4", "--repeat", "1", "--json", str(out), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ours vs eager" in proc.stdout
-    return json.loads(out.read_text())
+    report, stdout = run_bench("swiglu_bench.py", tmp_path / "swiglu.json", "--device", "cpu", "--rows", "24",
+                               "--inter", "80", "--experts", "4", "--repeat", "1", *extra)
+    assert "ours vs eager" in stdout
+    return report
 
 
 def test_dry_run_matches_eager_bits_and_times_every_peer(tmp_path):
@@ -42,8 +36,7 @@ def test_dry_run_matches_eager_bits_and_times_every_peer(tmp_path):
         assert case["ours_vs_eager"] == {"exact_share": 1.0, "max_ulps": 0}
         assert case["bytes"] == 3 * case["routed_rows"] * 80 * 2
         assert set(case["results"]) == {"ours", "eager", "copy"}
-        for name, r in case["results"].items():
-            assert r["ms"] > 0 and r["gbs"] == pytest.approx(case["bytes"] / r["ms"] / 1e6), name
+        assert_peer_rates(case)
         assert case["results"]["copy"]["of_copy"] == pytest.approx(1.0)
         assert case["results"]["ours"]["ours_speedup"] == pytest.approx(1.0)
 
