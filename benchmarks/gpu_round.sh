@@ -14,6 +14,7 @@
 #                                       #      the FP8 GEMMs' GPU tests; FP8 linears at M = 4096 and 32768,
 #                                       #      the fused norm + FP8 quantisation, DeepGEMM, SwiGLU benches
 #   benchmarks/gpu_round.sh serve       # GPU: the serving tests and serve_bench, production-shaped
+#   benchmarks/gpu_round.sh host        # GPU host: its CPU facts; the serving idle overhead unpinned and pinned
 #   benchmarks/gpu_round.sh cp2         # 2 GPUs: the CP + CUDA-graph tests (graph runner, serve)
 #
 # On the device, carry .whl (and nothing else is needed).  What a stage makes for the next one (the DeepGEMM
@@ -23,12 +24,12 @@ set -uo pipefail
 #
 # Several stages run in one call in the order given (`gpu_round.sh selection forward`); STEPS="a b" runs only
 # the steps of those names (the names the logs carry), so one call can take the part of a stage that fits.
-[ $# -gt 0 ] || { echo "usage: benchmarks/gpu_round.sh prepare|selection|forward|serve|cp2 ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: benchmarks/gpu_round.sh prepare|selection|forward|serve|host|cp2 ..." >&2; exit 2; }
 for stage in "$@"; do
     case $stage in
-    prepare | selection | forward | serve | cp2) ;;
+    prepare | selection | forward | serve | host | cp2) ;;
     *)
-        echo "unknown stage $stage (prepare|selection|forward|serve|cp2)" >&2
+        echo "unknown stage $stage (prepare|selection|forward|serve|host|cp2)" >&2
         exit 2
         ;;
     esac
@@ -160,9 +161,9 @@ forward)
     step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph --check \
         --json "$OUT/fp8_linear.json"
     # The add + RMSNorm that quantises for the FP8 projections, against Inductor's norm + the quantiser
-    step norm_quant python3 benchmarks/norm_quant_bench.py --sweep --json "$OUT/norm_quant.json"
+    step norm_quant python3 benchmarks/norm_quant_bench.py --sweep --graph --json "$OUT/norm_quant.json"
     # The router's selection in one kernel, against the three topk calls it replaced (eager and Inductor)
-    step moe_route python3 benchmarks/moe_route_bench.py --sweep --json "$OUT/moe_route.json"
+    step moe_route python3 benchmarks/moe_route_bench.py --sweep --graph --json "$OUT/moe_route.json"
     # The FP8 indexer's operand kernels, the queries' rotation and quantisation fused (indexer_q_prepare) among them
     step index_quant python3 benchmarks/index_quant_bench.py --sweep --json "$OUT/index_quant.json"
     # The W_UV absorption written as o_proj's rows (cpgraph::mla_output) against einsum + reshape under Inductor
@@ -176,6 +177,23 @@ serve)
     step serve_bench_production python3 benchmarks/serve_bench.py --device cuda --model production \
         --backend inductor --cuda-graphs --page 64 --num-pages 4096 --token-budget 4096 --requests 64 --idle 8 \
         --rates 0.8 --out "$OUT/serve_production.json"
+    ;;
+host)
+    # The serving host's own latencies (no GPU work to speak of): the idle overhead's floor is the host's thread
+    # wake-ups and loopback round trips, which differ by machine (docs/serve.md).  The idle phase with the tiny
+    # model on the GPU, unpinned and with the whole process (its client process included) on one and two CPUs.
+    install_wheels
+    step host_facts bash -c 'nproc; lscpu | head -20; systemd-detect-virt 2>/dev/null; for f in \
+        /sys/devices/system/cpu/cpuidle/current_driver /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor; do \
+        echo "$f: $(cat $f 2>/dev/null)"; done'
+    for cpus in all 2 2,3; do
+        pin=()
+        [ "$cpus" = all ] || pin=(python3 -c 'import os, sys; os.sched_setaffinity(0, {int(c) for c in \
+            sys.argv[1].split(",")}); os.execvp(sys.argv[2], sys.argv[2:])' "$cpus")
+        step "host_idle_cpus_${cpus/,/_}" "${pin[@]}" python3 benchmarks/serve_bench.py --device cuda --model tiny \
+            --system-len 64 256 --suffix-len 8 128 --requests 64 --token-budget 512 --idle 40 --idle-only \
+            --out "$OUT/host_idle_${cpus/,/_}.json"
+    done
     ;;
 cp2)
     install_wheels

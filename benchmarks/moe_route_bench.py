@@ -29,8 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
-from peer_rates import copy_peer, finish, peer_args, rates, setup  # noqa: E402
+from peer_rates import copy_peer, finish, peer_args, rates, setup, time_peers  # noqa: E402
 
 # name -> (experts, n_group, topk_group, top_k, routed scaling)
 CASES = {"v32": (256, 8, 4, 8, 2.5), "glm5": (256, 1, 1, 8, 2.5)}
@@ -99,7 +98,7 @@ def main(argv=None) -> dict:
                 for rpp, warps in SWEEP:
                     peers[f"{rpp} rows {warps}w"] = (lambda r=rpp, w=warps: moe_route(
                         scores, bias, n_group, topk_group, top_k, True, scaling, rows_per_program=r, num_warps=w))
-            ms = {p: _time_ms(fn, repeat, cuda) for p, fn in peers.items()}
+            ms = time_peers(peers, repeat, cuda, args.graph)
             report_cases.append({
                 "case": name, "rows": m, "experts": e, "n_group": n_group, "topk_group": topk_group, "top_k": top_k,
                 "bytes": nbytes, "copy_gbs": nbytes / ms["copy"] / 1e6, "results": rates(ms, nbytes)})

@@ -36,8 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from invariant_gemm_bench import _time_ms  # noqa: E402  (CUDA events on a GPU, perf_counter on CPU; median)
-from peer_rates import copy_peer, finish, peer_args, rates, setup  # noqa: E402
+from peer_rates import copy_peer, finish, peer_args, rates, setup, time_peers  # noqa: E402
 
 # name -> (K, residual add, normed rows written for another reader)
 CASES = {"attn_input": (7168, True, True), "q_latent": (1536, False, False)}
@@ -107,7 +106,7 @@ def main(argv=None) -> dict:
                     label = f"one sweep {warps}w" if row_values else f"two {tile} {warps}w"
                     peers[label] = (lambda rv=row_values, t=tile, nw=warps: rms_norm_quantize(
                         x, res, w, 1e-6, 128, True, emit, row_values=rv, tile_values=t, num_warps=nw))
-            ms = {p: _time_ms(fn, repeat, cuda) for p, fn in peers.items()}
+            ms = time_peers(peers, repeat, cuda, args.graph)
             case = {"case": name, "rows": m, "K": k, "residual": residual, "emit_normed": emit, "bytes": nbytes,
                     "copy_gbs": nbytes / ms["copy"] / 1e6, "results": rates(ms, nbytes)}
             report_cases.append(case)

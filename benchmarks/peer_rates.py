@@ -25,6 +25,8 @@ def peer_args(description: str, cases: list[str], rows_help: str, sweep_help: st
     ap.add_argument("--sweep", action="store_true", help=sweep_help)
     ap.add_argument("--no-compile", action="store_true", help=compile_help)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays (device time only: a few-row call's host work drops out)")
     return ap
 
 
@@ -33,6 +35,31 @@ def setup(args, cuda_rows: list[int], cpu_rows: list[int]) -> tuple:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     return device, cuda, args.rows or (cuda_rows if cuda else cpu_rows), args.repeat or (20 if cuda else 1)
+
+
+def time_peers(peers: dict, repeat: int, cuda: bool, graph: bool = False) -> dict[str, float]:
+    """Median ms of each peer.  Eager calls are timed with CUDA events around each call, which includes the
+    host's launch work whenever it exceeds the kernels' time (a Python wrapper at 4096 rows can); with
+    ``graph`` (GPU only) each peer is captured once, ``GRAPH_CALLS`` calls in one CUDA graph, and a replay's
+    time over the calls is what is reported: the device time a captured forward pays."""
+    from invariant_gemm_bench import _time_ms
+
+    if not (graph and cuda):
+        return {p: _time_ms(fn, repeat, cuda) for p, fn in peers.items()}
+    out = {}
+    for name, fn in peers.items():
+        fn()  # compile / autotune / first-use binding outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(GRAPH_CALLS):
+                fn()
+        out[name] = _time_ms(g.replay, repeat, cuda) / GRAPH_CALLS
+        del g
+    return out
+
+
+GRAPH_CALLS = 10  # calls per captured graph: a replay's launch cost spread over them
 
 
 def copy_peer(nbytes: int, device) -> tuple:
@@ -56,9 +83,11 @@ def finish(args, op: str, cases: list[dict], keys: list[tuple[str, int]], peer_w
     device = torch.device(args.device)
     provider = active_provider(op, device.type)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run: the times mean nothing)"
-    print(f"{op} ({provider}) on {where} (bytes: ours' traffic; GB/s of those bytes over each peer's time)")
+    graph = bool(getattr(args, "graph", False)) and device.type == "cuda"
+    timing = "CUDA-graph replays" if graph else "eager calls"
+    print(f"{op} ({provider}) on {where}, {timing} (bytes: ours' traffic; GB/s of those bytes over each peer's time)")
     print_rates(cases, keys, peer_width)
-    report = {"device": where, "provider": provider, **extra, "cases": cases}
+    report = {"device": where, "provider": provider, "cuda_graph": graph, **extra, "cases": cases}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report
