@@ -22,6 +22,7 @@
 # still warm for the next call; on a fresh machine copy them from $OUT into .whl/ instead.
 set -uo pipefail
 #
+# REPLAY= (empty) leaves out the forward's indexer replay; FP8_LINEAR_ARGS adds options to the FP8 linears' step.
 # Several stages run in one call in the order given (`gpu_round.sh selection forward`); STEPS="a b" runs only
 # the steps of those names (the names the logs carry), so one call can take the part of a stage that fits.
 [ $# -gt 0 ] || { echo "usage: benchmarks/gpu_round.sh prepare|selection|forward|serve|host|cp2 ..." >&2; exit 2; }
@@ -155,11 +156,12 @@ forward)
     # --replay: the indexer's first call replayed on its own arguments, rested and right after a forward, with the
     # clocks of each window (is the FP8 scoring's loss in the forward its inputs or the GPU's state?)
     step forward_32k "${TUNE[@]}" python3 benchmarks/production_shape.py --cases 32K \
-        --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile --replay indexer_topk \
+        --variants bf16/bf16,bf16/fp8,fp8/fp8 --modes compiled --profile ${REPLAY---replay indexer_topk} \
         --json "$OUT/production_32k.json"
     # Device time (CUDA-graph replays: eager calls add ~60 us of host time at 4096 rows)
+    # (FP8_LINEAR_ARGS narrows it, e.g. "--shapes q_a_kv_a --groups attn_input": the last option of a name wins)
     step fp8_linears python3 benchmarks/fp8_linear_bench.py --rows 4096,32768 --graph --check \
-        --json "$OUT/fp8_linear.json"
+        --json "$OUT/fp8_linear.json" ${FP8_LINEAR_ARGS:-}
     # The add + RMSNorm that quantises for the FP8 projections, against Inductor's norm + the quantiser
     step norm_quant python3 benchmarks/norm_quant_bench.py --sweep --graph --json "$OUT/norm_quant.json"
     # The router's selection in one kernel, against the three topk calls it replaced (eager and Inductor)
