@@ -81,6 +81,37 @@ BUDGET_MS = float(os.environ.get("FP8_BENCH_BUDGET_MS", "300"))
 GRAPH = False  # --graph: time CUDA-graph replays (device time only, as the captured forward runs)
 
 
+KERNELS = False  # --kernels: each group's variants also profiled, kernel by kernel (the replays' device time)
+
+
+def print_kernels(label: str, fn, replays: int = 20) -> None:
+    """The kernels of one call as the graphed forward runs them: ``fn`` captured once (with ``--graph``) and
+    ``replays`` replays profiled; each kernel's mean device µs a call, then their sum against the replay's own
+    time (a gap between them is time between kernels, not in them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    if GRAPH:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
+        fn()
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.self_device_time_total / replays, e.count // replays, e.key) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    rows.sort(reverse=True)
+    print(f"    kernels of '{label}' ({'graph replays' if GRAPH else 'eager calls'}, mean of {replays}): "
+          f"{sum(r[0] for r in rows):.1f} us in kernels")
+    for us, calls, name in rows[:8]:
+        print(f"      {us:8.1f} us  x{calls}  {name[:110]}")
+
+
 def time_ms(fn, budget_ms: float | None = None, min_reps: int = 5, max_reps: int = 100) -> float:
     """Median of CUDA-event timings, reps chosen to fill ``budget_ms`` (``$FP8_BENCH_BUDGET_MS``, default 300).
 
@@ -136,6 +167,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time the Triton tile variants")
     ap.add_argument("--pow2", type=int, default=1, help="ue8m0 activation scales (1, V3.2's recipe) or fp32 (0)")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile each group's variants behind their norm, kernel by kernel")
     ap.add_argument("--groups", default=",".join(GROUPS),
                     help=f"projections sharing an input, timed as one quantisation + their GEMMs against bf16 and "
                          f"against a quantisation each (comma-separated from {', '.join(GROUPS)}; '' for none)")
@@ -143,14 +176,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("fp8_linear_bench: needs a CUDA device", file=sys.stderr)
         return 2
-    global GRAPH
-    GRAPH = args.graph
+    global GRAPH, KERNELS
+    GRAPH, KERNELS = args.graph, args.kernels
     import cpgraph.ops  # noqa: F401
     from cpgraph.kernels import fp8_linear as kernel
     from cpgraph.ops.fp8_linear import fp8_block_linear_reference
 
     rows_list = [int(r) for r in args.rows.split(",")]
-    names = args.shapes.split(",")
+    names = [n for n in args.shapes.split(",") if n]  # --shapes "": the groups only
     pow2 = bool(args.pow2)
     out = []
     print(f"{'shape':>15} {'M':>6} {'impl':>22} {'ms':>8} {'TFLOP/s':>8} {'x bf16':>7} {'quant ms':>8} "
@@ -302,8 +335,12 @@ def time_with_norm(x, weights, K: int, M: int, pow2: bool, residual: bool, emit:
             err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
             if err > 2**-3:
                 raise SystemExit(f"fp8_linear_bench: M={M}: quantising in the norm is {err:.3g} off the unfused result")
-    return {"bf16 + norm": time_ms(bf16), "fp8 + norm, quantised after it": time_ms(quant_after_norm),
-            "fp8, quantised in the norm": time_ms(quant_in_norm)}
+    variants = {"bf16 + norm": bf16, "fp8 + norm, quantised after it": quant_after_norm,
+                "fp8, quantised in the norm": quant_in_norm}
+    if KERNELS:
+        for label, fn in variants.items():
+            print_kernels(f"M={M} {label}", fn)
+    return {label: time_ms(fn) for label, fn in variants.items()}
 
 
 def write_json(path, rows, pow2, kernel) -> None:
