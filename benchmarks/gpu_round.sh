@@ -208,14 +208,21 @@ cp2)
 esac
 }
 
+# A lent machine returns at most 8 files from $OUT: past that, everything goes into one archive (the logs' tails
+# are in the call's output already), so no JSON is left behind.  Also on SIGTERM / SIGINT (`timeout N
+# gpu_round.sh ...` stopping a call before the machine's own limit): a call cut short keeps what it measured.
+pack_out() {
+    local files
+    files=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+    if [ "$files" -gt 8 ]; then  # an archive of an earlier pack goes into the new one
+        (cd "$OUT" && tar czf round.tgz.new --exclude=round.tgz.new ./* \
+            && find . -maxdepth 1 -type f ! -name round.tgz.new -delete && mv round.tgz.new round.tgz) \
+            && echo "== $files files packed into $OUT/round.tgz"
+    fi
+}
+trap 'echo "== stopped by a signal: packing what was measured"; pack_out; exit 124' TERM INT
+
 for stage in "$@"; do
     run_stage "$stage"
 done
-
-# A lent machine returns at most 8 files from $OUT: past that, everything goes into one archive (the logs' tails
-# are in the call's output already), so no JSON is left behind.
-files=$(find "$OUT" -maxdepth 1 -type f | wc -l)
-if [ "$files" -gt 8 ]; then
-    (cd "$OUT" && tar czf round.tgz --exclude=round.tgz ./* && find . -maxdepth 1 -type f ! -name round.tgz -delete) \
-        && echo "== $files files packed into $OUT/round.tgz"
-fi
+pack_out

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import shutil
 import subprocess
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -31,3 +35,43 @@ def test_unknown_stage_is_refused(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "nonsense"], capture_output=True, text=True,
                           env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2 and "unknown stage nonsense" in proc.stderr
+
+
+def _out_with(tmp_path, n: int) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(n):
+        (out / f"step{i}.log").write_text(f"log {i}\n")
+    return out
+
+
+def _env(out: Path, python3: str) -> dict:
+    """Every step skipped (``STEPS``), and ``python3`` (the wheels' install and probe, all that is left) replaced by
+    a stand-in: no GPU stack needed, and a probe that takes as long as the test needs."""
+    bin_dir = out.parent / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/sh\n{python3}\n")
+    (bin_dir / "python3").chmod(0o755)
+    return {**os.environ, "OUT": str(out), "STEPS": "none_of_them", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_more_than_eight_files_are_packed_at_the_end(tmp_path):
+    out = _out_with(tmp_path, 10)
+    proc = subprocess.run(["bash", str(SCRIPT), "cp2"], capture_output=True, text=True,
+                          env=_env(out, "echo probe"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["round.tgz"]
+    with tarfile.open(out / "round.tgz") as tar:
+        assert sorted(n.removeprefix("./") for n in tar.getnames()) == sorted(f"step{i}.log" for i in range(10))
+
+
+def test_a_stopped_call_still_packs_what_it_measured(tmp_path):
+    """``timeout`` stops the script's process group with SIGTERM: the trap packs $OUT before exiting."""
+    out = _out_with(tmp_path, 9)
+    proc = subprocess.Popen(["bash", str(SCRIPT), "cp2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(out, "exec sleep 60"), start_new_session=True)
+    time.sleep(1.0)  # the script is in its (60 s) probe when the signal comes
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert sorted(p.name for p in out.iterdir()) == ["round.tgz"]
+    assert proc.returncode == 124 and "stopped by a signal" in stdout, (proc.returncode, stdout)
