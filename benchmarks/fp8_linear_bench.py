@@ -84,12 +84,9 @@ GRAPH = False  # --graph: time CUDA-graph replays (device time only, as the capt
 KERNELS = False  # --kernels: each group's variants also profiled, kernel by kernel (the replays' device time)
 
 
-def print_kernels(label: str, fn, replays: int = 20) -> None:
-    """The kernels of one call as the graphed forward runs them: ``fn`` captured once (with ``--graph``) and
-    ``replays`` replays profiled; each kernel's mean device µs a call, then their sum against the replay's own
-    time (a gap between them is time between kernels, not in them)."""
-    from torch.profiler import ProfilerActivity, profile
-
+def as_timed(fn):
+    """``fn`` called once (compiling, autotuning and binding outside any capture), then, with ``--graph``, the
+    replay of a CUDA graph that captured one more call: what the timing and the profile run."""
     fn()
     torch.cuda.synchronize()
     if GRAPH:
@@ -99,6 +96,16 @@ def print_kernels(label: str, fn, replays: int = 20) -> None:
         fn = graph.replay
         fn()
         torch.cuda.synchronize()
+    return fn
+
+
+def print_kernels(label: str, fn, replays: int = 20) -> None:
+    """The kernels of one call as the graphed forward runs them: ``fn`` captured once (with ``--graph``) and
+    ``replays`` replays profiled; each kernel's mean device µs a call, then their sum against the replay's own
+    time (a gap between them is time between kernels, not in them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = as_timed(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             fn()
@@ -120,15 +127,7 @@ def time_ms(fn, budget_ms: float | None = None, min_reps: int = 5, max_reps: int
     replays are timed.
     """
     budget_ms = BUDGET_MS if budget_ms is None else budget_ms
-    fn()
-    torch.cuda.synchronize()
-    if GRAPH:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn = graph.replay
-        fn()
-        torch.cuda.synchronize()
+    fn = as_timed(fn)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
