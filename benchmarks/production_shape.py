@@ -751,7 +751,10 @@ def run_case(model, compiled, cfg, real, variant: Variant, case: Case, args, gem
                 if not seg["ok"]:
                     vt.log(f"  WARNING {case.name}: {seg['why']}; no projection")
                 if once is not None:
-                    row["projection"] = project(cfg, real, seg, once, case, modes["compiled"]["ms"])
+                    row["projection"] = proj = project(cfg, real, seg, once, case, modes["compiled"]["ms"])
+                    if "full_model_s" in proj:  # logged as it comes: a run cut short keeps it in its log
+                        vt.log(f"  {case.name} projection ({proj['layers']} layers): {proj['full_model_s']:.2f} s one "
+                               f"GPU, {proj['cp8_ideal_tokens_per_s_per_gpu']:,.0f} tok/s/GPU ideal CP8")  # fmt: skip
             if args.profile:
                 prof = _guarded(row, "profile", f"{case.name} profile", lambda: profile_forward(compiled_fn, parts))
                 if prof is not None:

@@ -184,7 +184,7 @@ def test_memory_plan_books_the_experts_that_ran():
 
 
 @pytest.mark.slow
-def test_smallest_dry_run_end_to_end(tmp_path):
+def test_smallest_dry_run_end_to_end(tmp_path, capfd):
     """``--device cpu`` at its smallest: every step runs and the JSON holds each figure the GPU run reports."""
     out = tmp_path / "dry.json"
     threads = torch.get_num_threads()
@@ -204,6 +204,8 @@ def test_smallest_dry_run_end_to_end(tmp_path):
     assert seg["ok"] and len(seg["kv_write_indexer_ms"]) == 2
     proj = row["projection"]
     assert proj["layers"] == 61 and proj["full_model_s"] > 0 and set(proj["kind_ms"]) == {"dense/full", "sparse/full"}
+    logged = capfd.readouterr()
+    assert "8K projection (61 layers): " in logged.out + logged.err  # logged as it comes, before the tables
     cats = row["profile"]["categories"]
     assert {"sparse attention", "dense linears"} <= set(cats)
     assert row["memory_plan"]["total"] > 0 and row["share_of_bf16_gemm"] > 0
