@@ -49,6 +49,7 @@ EXAMPLES: dict[str | None, str] = {
                               "--warmup-prefix-tokens 1024",
     "--own-kv-buckets": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --cuda-graphs "
                         "--own-kv-buckets --warmup-prefix-tokens 0",
+    "--engine-thread-only": "cpgraph serve --model tiny-glm5 --engine-thread-only",
     "--timeout": "cpgraph serve --model tiny-glm5 --cp 2 --backend aot_eager --timeout 1800",
     "--quiet": "cpgraph serve --model tiny-glm5 --quiet",
     "--deterministic": "cpgraph serve --model ./GLM-5 --device cuda --backend inductor --deterministic",
@@ -125,6 +126,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="with --cuda-graphs: KV-view rows bucketed on their own (less padding, several buckets per "
                         "row and prefix bucket: many more to warm, so pair it with a small --warmup-prefix-tokens) "
                         "instead of derived from the row and prefix buckets")
+    s.add_argument("--engine-thread-only", action="store_true",
+                   help="every step on the engine thread: no idle fast path (a request that finds the engine idle "
+                        "otherwise has its first step run on the event loop, saving two thread wake-ups; the loop "
+                        "then answers nothing else for that step) (docs/serve.md)")
     s.add_argument("--timeout", type=float, default=600.0,
                    help="with --cp: seconds the rendezvous and each collective may wait (default 600)")
     s.add_argument("--quiet", action="store_true",
@@ -236,7 +241,8 @@ def spec_from_args(args):
                      cuda_graphs=args.cuda_graphs, kv_transfer=args.kv_transfer, warmup_tokens=args.warmup_tokens,
                      warmup_prefix_tokens=args.warmup_prefix_tokens, derive_kv_bucket=not args.own_kv_buckets,
                      timeout=args.timeout, log_level=logging.getLogger("cpgraph").level,
-                     deterministic=args.deterministic, draft=args.draft)
+                     deterministic=args.deterministic, draft=args.draft,
+                     idle_steps_on_loop=not args.engine_thread_only)
 
 
 def main(args: argparse.Namespace) -> int:

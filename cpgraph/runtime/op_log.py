@@ -44,12 +44,17 @@ class _OpLog:
         with self._lock:
             self._stopped = True
         if self.cp_size > 1:
-            self._broadcast([("stop",)])
+            with self._step_lock:  # after a step another thread may be running (heartbeat says why)
+                self._broadcast([("stop",)])
 
     def heartbeat(self) -> None:
-        """Leader, idle: an empty step keeps the followers' broadcast inside its timeout."""
+        """Leader, idle: an empty step keeps the followers' broadcast inside its timeout.
+
+        Under the step lock: another thread may run a step meanwhile (``PrefillEngine.try_step``), and two
+        broadcasts of the control group must never interleave."""
         if self.cp_size > 1:
-            self._broadcast([])
+            with self._step_lock:
+                self._broadcast([])
 
     def _broadcast(self, ops: list | None) -> list:
         import torch.distributed as dist

@@ -208,13 +208,15 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def submit(self, request: EngineRequest, *, checked: bool = False) -> RequestHandle:
+    def submit(self, request: EngineRequest, *, checked: bool = False, wake: bool = True) -> RequestHandle:
         """Queue ``request`` (any thread); a request that is invalid, never fits, or finds the queue full
         is finished at once with status ``refused`` and an ``error`` saying why.
 
         ``checked``: the caller has already checked that ``request.tokens`` is a 1-D int64 array of ids in
         ``[0, vocab)`` (the HTTP layer's ``parse_completion`` does, against this engine's ``vocab``), so the
-        ids are not scanned again; anything but such an array is checked as usual."""
+        ids are not scanned again; anything but such an array is checked as usual.  ``wake=False`` leaves
+        a thread blocked in :meth:`wait_for_work` asleep: the caller steps itself (:meth:`try_step`) or
+        calls :meth:`wake` afterwards."""
         rid = next(self._ids)
         handle = RequestHandle(rid, request)
         refusal, ids = self._check(request, checked)
@@ -231,7 +233,8 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
                              None if timeout is None else now + timeout, ids)
                 live.sampling = request.sampling
                 self._inbox.append(live)
-                self._lock.notify_all()
+                if wake:
+                    self._lock.notify_all()
                 return handle
             self.stats.outcomes[REFUSED] += 1
         handle._finish(RequestResult(REFUSED, len(tokens), error=refusal[1], refusal=refusal[0]))
@@ -287,6 +290,11 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
         with self._lock:
             return bool(self._inbox or self._cancels or len(self.scheduler) or self._pending)
 
+    def idle(self) -> bool:
+        """Nothing queued, admitted or cancelled (answered requests' commits may still be pending)."""
+        with self._lock:
+            return not (self._inbox or self._cancels or len(self.scheduler))
+
     def wait_for_work(self, timeout: float) -> bool:
         """Block until something is queued (or ``timeout`` seconds pass); True if there is work.
 
@@ -335,6 +343,31 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
             raise RuntimeError("PrefillEngine.step runs on the leader (rank 0); other ranks call follow()")
         with self._step_lock:  # a reset_cache from another thread waits for the step (its commits come after answers)
             return self._step()
+
+    def try_step(self) -> list[RequestHandle] | None:
+        """:meth:`step` unless another thread is stepping now (then ``None`` at once, nothing done).
+
+        Why: a server whose engine thread sleeps can run the step of a request that arrives at idle on the
+        thread that received it, instead of paying two thread wake-ups (docs/serve.md, the idle fast path);
+        when the engine thread is busy that thread must not wait for it."""
+        if not self.is_leader:
+            raise RuntimeError("PrefillEngine.try_step runs on the leader (rank 0); other ranks call follow()")
+        if not self._step_lock.acquire(blocking=False):
+            return None
+        try:
+            return self._step()
+        finally:
+            self._step_lock.release()
+
+    def try_sync(self) -> bool:
+        """:meth:`sync` unless another thread is stepping now (that step commits first itself); False then."""
+        if not self._step_lock.acquire(blocking=False):
+            return False
+        try:
+            self._flush_commits()
+            return True
+        finally:
+            self._step_lock.release()
 
     def _step(self) -> list[RequestHandle]:
         self._flush_commits()  # the last step's answered requests: their pages into the cache before any admission

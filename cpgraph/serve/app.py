@@ -2,10 +2,21 @@
 
 Two threads: the asyncio event loop answers HTTP; one *engine thread* owns
 the :class:`~cpgraph.runtime.prefill_engine.PrefillEngine` and calls
-``step()`` while there is work (the forward is long, blocking host work and
-must never run on the event loop).  A handler submits its prompts (the
+``step()`` while there is work.  A handler submits its prompts (the
 engine's submit is thread-safe) and awaits futures that the engine thread
-resolves through ``call_soon_threadsafe``.  A client that disconnects
+resolves through ``call_soon_threadsafe``.
+
+The idle fast path (``idle_steps_on_loop``, on by default): a request that
+finds the engine idle -- nothing queued or admitted, no step running -- has
+its first step run on the event loop itself, right after every handler made
+runnable in the same turn of the loop has submitted (they share the step),
+and the engine thread is not woken.  At idle the two thread wake-ups of the
+hand-off (loop to engine thread, and back) are most of what serving adds to a
+request on a virtualised host (docs/serve.md); this path has none.  What it
+costs: the loop answers nothing else for the length of that one step (a
+health check or a new request waits at most one step, as a new request would
+for the engine thread's step anyway).  Whatever is left after it (chunks, or
+requests that arrived meanwhile) goes to the engine thread.  A client that disconnects
 cancels its handler (``handler_cancellation``), which cancels its requests:
 their pages are freed at the next step boundary.
 
@@ -65,13 +76,15 @@ class PrefillServer:
     shown as decimal ids); ``warmup``: called once in the engine thread
     before ``/health`` turns 200; ``transfer_info``: what ``GET
     /v1/kv_transfer`` tells a decode (the prefill peers' control addresses);
-    ``heartbeat``: seconds between idle broadcasts to CP followers.
+    ``heartbeat``: seconds between idle broadcasts to CP followers;
+    ``idle_steps_on_loop``: the idle fast path (module docstring).
     """
 
     def __init__(self, engine, *, served: tuple[str, ...], host: str = "127.0.0.1", port: int = 0,
                  encode: Callable[[str], list[int]] | None = None, decode: Callable[[int], str] | None = None,
                  warmup: Callable[[], None] | None = None, transfer_info: dict | None = None,
-                 heartbeat: float = 5.0, drain_timeout: float = 600.0, max_model_len: int | None = None):
+                 heartbeat: float = 5.0, drain_timeout: float = 600.0, max_model_len: int | None = None,
+                 idle_steps_on_loop: bool = True):
         self.engine, self.served, self.host, self.port = engine, tuple(served), host, port
         self.encode, self.decode, self.warmup = encode, decode, warmup
         self.transfer_info, self.heartbeat, self.drain_timeout = transfer_info, heartbeat, drain_timeout
@@ -83,6 +96,9 @@ class PrefillServer:
         self.created = int(time.time())
         self._in_flight = 0
         self._counters: dict = {}
+        self.idle_steps_on_loop = idle_steps_on_loop
+        self._inline_scheduled = False  # a step on the loop is queued for this turn's submissions
+        self._loop_ident: int | None = None
         self._stop_engine = threading.Event()
         self._engine_thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -94,6 +110,7 @@ class PrefillServer:
     # ------------------------------------------------------------------ engine thread
     def _engine_main(self) -> None:
         try:
+            _use_engine_device(self.engine)
             if self.warmup is not None:
                 self.warmup()
             self.ready = True
@@ -104,11 +121,7 @@ class PrefillServer:
                 else:
                     self.engine.heartbeat()
         except BaseException as exc:  # noqa: BLE001  (report through /health; never hang the handlers)
-            self.failed = " ".join(f"{type(exc).__name__}: {exc}".split())
-            log.exception("cpgraph serve: the engine thread failed")
-            self.engine.fail_all(f"the engine failed: {self.failed}")  # no handler waits forever
-            if self._loop is not None:  # and the process ends (status 1) instead of serving 503s forever
-                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown()))
+            self._engine_failed(exc, "the engine thread")
         finally:
             try:
                 self.engine.stop_followers()
@@ -118,6 +131,42 @@ class PrefillServer:
                 self.engine.close()  # L3: store what it lacks, release the store (each follower does the same)
             except Exception:  # noqa: BLE001
                 log.exception("cpgraph serve: could not flush the L3 page store")
+
+    def _engine_failed(self, exc: BaseException, where: str) -> None:
+        self.failed = " ".join(f"{type(exc).__name__}: {exc}".split())
+        log.error("cpgraph serve: a step on %s failed", where, exc_info=exc)
+        self.engine.fail_all(f"the engine failed: {self.failed}")  # no handler waits forever
+        if self._loop is not None:  # and the process ends (status 1) instead of serving 503s forever
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown()))
+        self._stop_engine.set()
+        self.engine.wake()
+
+    # ---------------------------------------------------------------- idle fast path
+    def _step_on_loop(self) -> None:
+        """The step of the requests submitted this turn while the engine was idle (module docstring)."""
+        self._inline_scheduled = False
+        if self.failed:
+            return
+        try:
+            ran = self.engine.try_step()
+        except BaseException as exc:  # noqa: BLE001  (as the engine thread: answer everything, then stop)
+            self._engine_failed(exc, "the event loop")
+            return
+        if ran is None or not self.engine.idle():
+            self.engine.wake()  # the engine thread was stepping, or chunks / new arrivals are left: it takes over
+        else:  # the answered requests' radix commits, after the responses are out (as the engine thread's wait)
+            self._loop.call_later(self.engine.commit_delay, self._commit_on_loop)
+
+    def _commit_on_loop(self) -> None:
+        if self.engine.idle() and not self.failed:  # else the next step (on either thread) commits first itself
+            self.engine.try_sync()
+
+    def _answer(self, fut: asyncio.Future, handle) -> None:
+        """A handle's done-callback: resolve ``fut`` on the loop (directly when already on it)."""
+        if threading.get_ident() == self._loop_ident:
+            self._loop.call_soon(_resolve, fut, handle.result)
+        else:
+            self._loop.call_soon_threadsafe(_resolve, fut, handle.result)
 
     # ------------------------------------------------------------------------ app
     def make_app(self) -> web.Application:
@@ -203,15 +252,21 @@ class PrefillServer:
     async def _run(self, comp, room) -> web.Response:
         loop = asyncio.get_running_loop()
         futures, handles = [], []
+        # The idle fast path: this turn's step is already queued on the loop, or the engine is idle now.
+        on_loop = self._inline_scheduled or (self.idle_steps_on_loop and self.engine.idle())
         for tokens in comp.prompts:
             fut = loop.create_future()
             # parse_completion checked the ids against the engine's vocabulary: submit takes them as they are.
             h = self.engine.submit(engine_request(tokens, temperature=comp.temperature, top_p=comp.top_p,
                                                   seed=comp.seed, top_logprobs=comp.logprobs or 0,
-                                                  transfer_room=room), checked=True)
-            h.add_done_callback(lambda h, fut=fut: loop.call_soon_threadsafe(_resolve, fut, h.result))
+                                                  transfer_room=room), checked=True, wake=not on_loop)
+            h.add_done_callback(lambda h, fut=fut: self._answer(fut, h))
             futures.append(fut)
             handles.append(h)
+        if on_loop and not self._inline_scheduled:
+            # After the handlers already runnable in this turn have submitted: they share the step.
+            self._inline_scheduled = True
+            loop.call_soon(self._step_on_loop)
         try:
             results = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
         except asyncio.CancelledError:  # the client went away: free what its requests hold
@@ -245,6 +300,8 @@ class PrefillServer:
     async def start(self) -> None:
         """Listen, and start the engine thread (warm-up first)."""
         self._loop = asyncio.get_running_loop()
+        self._loop_ident = threading.get_ident()
+        _use_engine_device(self.engine)  # the idle fast path steps on this thread
         self._done = asyncio.Event()
         self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         await self._runner.setup()
@@ -325,6 +382,17 @@ class PrefillServer:
             if time.monotonic() > deadline:
                 raise TimeoutError("cpgraph serve: not ready in time")
             time.sleep(0.01)
+
+
+def _use_engine_device(engine) -> None:
+    """Make the engine's GPU this thread's current device: CUDA's current device is per thread (a new thread
+    starts on device 0), and kernels launched on the current device -- Triton's, a CUDA graph's capture --
+    must run on the one that holds the engine's tensors (a CP rank's own GPU)."""
+    device = getattr(engine, "device", None)
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
 
 
 def _resolve(fut: asyncio.Future, result) -> None:

@@ -66,6 +66,7 @@ class ServeSpec:
     log_level: int | None = None
     deterministic: bool = False  # row-invariant products, eager or compiled (docs/deterministic.md)
     draft: bool = False  # also prefill the MTP draft layer after the target (docs/mtp.md)
+    idle_steps_on_loop: bool = True  # the idle fast path (cpgraph/serve/app.py); --engine-thread-only turns it off
 
 
 def served_names(spec: ServeSpec) -> tuple[str, ...]:
@@ -251,7 +252,7 @@ def _server(engine, spec: ServeSpec, port: int, transfer_info=None, forward=None
             check_expert_parallel_graph(getattr(getattr(forward, "compiled", None), "cpgraph_passes", None), spec.ep)
 
     return PrefillServer(engine, served=served_names(spec), host=spec.host, port=port, encode=encode, decode=decode,
-                         warmup=warmup, transfer_info=transfer_info)
+                         warmup=warmup, transfer_info=transfer_info, idle_steps_on_loop=spec.idle_steps_on_loop)
 
 
 def _announce(url: str) -> None:

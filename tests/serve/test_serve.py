@@ -258,13 +258,15 @@ def test_cancel_mid_prefill_frees_its_pages_and_a_full_queue_is_429(slow_server)
     assert post(url, {"prompt": [4, 5, 6]})[0] == 200  # and it keeps serving
 
 
-def test_a_failing_engine_answers_its_requests_and_stops(model):
+@pytest.mark.parametrize("on_loop", [True, False], ids=["idle_step_on_loop", "engine_thread_only"])
+def test_a_failing_engine_answers_its_requests_and_stops(model, on_loop):
     def broken(ids, meta, mla, index, **kw):
         raise AssertionError("a bug in the forward")
 
     engine = PrefillEngine(broken, model, num_pages=64, page_size=PAGE)
-    engine.step = lambda: (_ for _ in ()).throw(RuntimeError("the step loop broke"))  # a bug outside one step
-    server = PrefillServer(engine, served=("tiny-glm5",)).start_background()
+    # A bug outside one step, on whichever thread steps (the engine thread, or the loop at idle).
+    engine.step = engine.try_step = lambda: (_ for _ in ()).throw(RuntimeError("the step loop broke"))
+    server = PrefillServer(engine, served=("tiny-glm5",), idle_steps_on_loop=on_loop).start_background()
     server.wait_ready()
     status, err = post(server.url, {"prompt": [1, 2, 3]})
     assert status == 500 and "the step loop broke" in err["error"]["message"]

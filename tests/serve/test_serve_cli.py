@@ -52,6 +52,21 @@ def test_warm_up_flags_reach_the_spec(extra, prefix, derive):
     assert (spec.warmup_prefix_tokens, spec.derive_kv_bucket) == (prefix, derive)
 
 
+@pytest.mark.parametrize("extra,on_loop", [([], True), (["--engine-thread-only"], False)])
+def test_the_idle_fast_path_flag_reaches_the_server(extra, on_loop):
+    from cpgraph.cli import build_parser
+    from cpgraph.cli_serve import spec_from_args
+
+    from cpgraph.models import from_pretrained
+    from cpgraph.serve.node import _server, build_engine, make_forward
+
+    spec = spec_from_args(build_parser().parse_args(["serve", "--model", "tiny-glm5", "--num-pages", "64", *extra]))
+    assert spec.idle_steps_on_loop is on_loop
+    model = from_pretrained("tiny-glm5").eval()
+    server = _server(build_engine(model, make_forward(model, spec), spec), spec, 0)  # built, not started
+    assert server.idle_steps_on_loop is on_loop
+
+
 def test_draft_flag_errors(tmp_path, capsys):
     import json
     import shutil
