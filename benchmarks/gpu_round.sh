@@ -188,13 +188,18 @@ host)
     step host_facts bash -c 'nproc; lscpu | head -20; systemd-detect-virt 2>/dev/null; for f in \
         /sys/devices/system/cpu/cpuidle/current_driver /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor; do \
         echo "$f: $(cat $f 2>/dev/null)"; done'
-    for cpus in all 2 2,3; do
-        pin=()
-        [ "$cpus" = all ] || pin=(python3 -c 'import os, sys; os.sched_setaffinity(0, {int(c) for c in \
-            sys.argv[1].split(",")}); os.execvp(sys.argv[2], sys.argv[2:])' "$cpus")
+    # And unpinned with the idle fast path off (--engine-thread-only): what the step on the event loop saves here.
+    for cpus in all 2 2,3 all_engine_thread; do
+        pin=() mode=()
+        case $cpus in
+        all) ;;
+        all_engine_thread) mode=(--engine-thread-only) ;;
+        *) pin=(python3 -c 'import os, sys; os.sched_setaffinity(0, {int(c) for c in \
+            sys.argv[1].split(",")}); os.execvp(sys.argv[2], sys.argv[2:])' "$cpus") ;;
+        esac
         step "host_idle_cpus_${cpus/,/_}" "${pin[@]}" python3 benchmarks/serve_bench.py --device cuda --model tiny \
             --system-len 64 256 --suffix-len 8 128 --requests 64 --token-budget 512 --idle 40 --idle-only \
-            --out "$OUT/host_idle_${cpus/,/_}.json"
+            "${mode[@]}" --out "$OUT/host_idle_${cpus/,/_}.json"
     done
     ;;
 cp2)

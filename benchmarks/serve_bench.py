@@ -19,7 +19,10 @@ main thread.  Phases, each starting from an empty cache:
    posted to a bare aiohttp server); and the unloaded TTFT (p50/p99 of the HTTP times; prompts of the
    trace's lengths, no cache hit); and, per client, the overhead *against direct calls*: the server's
    overhead minus the direct calls' scheduling (medians), i.e. what HTTP adds to an engine embedded in
-   process, which pays admission, planning, sampling and the same two thread hand-offs;
+   process, which pays admission, planning, sampling and the same two thread hand-offs; and against a
+   stricter base, a caller that steps the engine itself (``submit(wake=False)`` + ``step()``: no
+   hand-off at all).  The server takes its idle fast path (the step on the event loop) unless
+   ``--engine-thread-only``;
 2. **saturation**: a pass of the trace that is not reported (every shape the load forms seen once),
    then the trace all at once (burst) and closed-loop (``--concurrency`` clients, each sending its
    next request when answered): requests/s and computed tokens/s; the closed-loop rate is the
@@ -118,7 +121,8 @@ def build_server(args):
     # What `cpgraph serve` runs before /health turns 200: every compile class and (--cuda-graphs) every bucket.
     prefix = args.warmup_prefix_tokens if args.warmup_prefix_tokens >= 0 else None
     t0 = time.perf_counter()
-    server = PrefillServer(engine, served=("bench",), warmup=lambda: warm_up(engine, 64, prefix)).start_background()
+    server = PrefillServer(engine, served=("bench",), warmup=lambda: warm_up(engine, 64, prefix),
+                           idle_steps_on_loop=not args.engine_thread_only).start_background()
     server.wait_ready(3600)
     server.warmup_s = time.perf_counter() - t0
     return server
@@ -295,10 +299,11 @@ def idle_overhead(server, trace, n: int) -> dict:
     eng = server.engine
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, eng.vocab, len(trace[i % len(trace)])).tolist() for i in range(3 * n)]
+    own_steps = [rng.integers(0, eng.vocab, len(trace[i % len(trace)])).tolist() for i in range(n)]
     keys = ("direct_sched", "aiohttp_http", "aiohttp_sched", "aiohttp_total", "lean_http", "lean_sched", "lean_total",
             "forward", "aiohttp_floor", "lean_floor", "aiohttp_handoff_floor", "lean_handoff_floor", "remote_total",
             "remote_http", "remote_sched", "remote_floor", "remote_handoff_floor", "direct_handoff", "direct_queue",
-            "direct_in_step")
+            "direct_in_step", "caller_steps_sched")
     v = {k: [] for k in keys}
     echo = start_echo_server()
     # Each prompt length once first (compiles, CUDA-graph captures of its buckets), then an empty
@@ -329,6 +334,15 @@ def idle_overhead(server, trace, n: int) -> dict:
                 v["direct_handoff"].append(dt - t["total"])
                 v["direct_queue"].append(t["queue"])
                 v["direct_in_step"].append(t["prefill"] - t["forward"])
+                time.sleep(0.002)
+                # The in-process API's other form: the caller steps the engine itself (no thread hand-off).
+                f0 = eng.stats.step_seconds
+                t0 = time.perf_counter()
+                handle = eng.submit(engine_request(own_steps[i]), wake=False)
+                while not handle.done():
+                    eng.step()
+                v["caller_steps_sched"].append(time.perf_counter() - t0 - (eng.stats.step_seconds - f0))
+                eng.sync()  # its radix commit, outside the timing (the engine thread's path commits while idle)
                 time.sleep(0.002)
                 f0 = eng.stats.step_seconds
                 dt, body = await _post(s, server.url, prompts[3 * i + 1])
@@ -374,6 +388,7 @@ def idle_overhead(server, trace, n: int) -> dict:
     out = {"requests": n, "prompt_tokens": [len(prompts[3 * i + 1]) for i in range(n)],
            "forward_ms": [1e3 * f for f in v["forward"]], "forward_ms_p50": med(v["forward"]),
            "direct_scheduling_overhead_ms_p50": med(v["direct_sched"]),
+           "caller_steps_scheduling_overhead_ms_p50": med(v["caller_steps_sched"]),
            # The direct calls' scheduling, split by the engine's own timings of each request: the caller's
            # submit and wake-up outside the engine, submit -> admitted (the engine thread's wake-up and the
            # admission), and admitted -> answer less the forward (planning, sampling, the result).
@@ -391,6 +406,9 @@ def idle_overhead(server, trace, n: int) -> dict:
                      # What serving over HTTP adds to an in-process PrefillEngine call (both pay admission,
                      # planning, sampling and the two thread hand-offs; forwards taken out).
                      "overhead_vs_direct_ms_p50": med([a + b for a, b in zip(http, sched)]) - med(v["direct_sched"]),
+                     # ... and against a caller that steps the engine itself: no hand-off at all (a stricter base).
+                     "overhead_vs_caller_steps_ms_p50": med([a + b for a, b in zip(http, sched)])
+                     - med(v["caller_steps_sched"]),
                      "unloaded_ttft_ms_p50": 1e3 * _pct(v[f"{kind}_total"], 50),
                      "unloaded_ttft_ms_p99": 1e3 * _pct(v[f"{kind}_total"], 99)}
     # The headline figures: aiohttp client (what the rate phases use), as before.
@@ -629,6 +647,9 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=20, help="requests of the idle-overhead phase")
     ap.add_argument("--concurrency", type=int, default=None,
                     help="clients of the closed-loop saturation phase (default: twice the requests of a full step)")
+    ap.add_argument("--engine-thread-only", action="store_true",
+                    help="the server steps only on its engine thread (cpgraph serve --engine-thread-only): no idle "
+                         "fast path, for the comparison")
     ap.add_argument("--own-kv-buckets", action="store_true",
                     help="--cuda-graphs: KV-view rows bucketed on their own (less padding, several buckets per row "
                          "and prefix bucket: many more to warm, so pair it with a small --warmup-prefix-tokens) "
@@ -692,11 +713,13 @@ def main() -> None:
                   f"the same thread hand-off around a forward-long wait: {k['handoff_floor_ms_p50']:.3f} ms (server "
                   f"overhead above it: {k['server_above_handoff_floor_ms_p50']:.3f} ms); "
                   f"unloaded TTFT p50 {k['unloaded_ttft_ms_p50']:.1f} ms p99 {k['unloaded_ttft_ms_p99']:.1f} ms; "
-                  f"against direct engine calls: {k['overhead_vs_direct_ms_p50']:.3f} ms", flush=True)
+                  f"against direct engine calls: {k['overhead_vs_direct_ms_p50']:.3f} ms (against a caller stepping "
+                  f"the engine itself: {k['overhead_vs_caller_steps_ms_p50']:.3f} ms)", flush=True)
         split = idle["direct_split_ms_p50"]
         print(f"idle, direct engine calls: scheduling {idle['direct_scheduling_overhead_ms_p50']:.3f} ms (medians: "
               f"caller's hand-off {split['handoff']:.3f}, queue {split['queue']:.3f}, in-step less the forward "
-              f"{split['in_step']:.3f})", flush=True)
+              f"{split['in_step']:.3f}); a caller stepping the engine itself: "
+              f"{idle['caller_steps_scheduling_overhead_ms_p50']:.3f} ms", flush=True)
         if args.idle_only:
             return
         print(f"[{_load()}]", flush=True)

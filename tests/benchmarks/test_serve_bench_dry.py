@@ -36,6 +36,10 @@ def test_idle_phase_reports_each_clients_overheads(tmp_path):
         assert k["overhead_vs_direct_ms_p50"] == pytest.approx(
             k["server_overhead_ms_p50"] - idle["direct_scheduling_overhead_ms_p50"], abs=1e-9)
         assert f"against direct engine calls: {k['overhead_vs_direct_ms_p50']:.3f} ms" in proc.stdout
+        # and against a caller that steps the engine itself (the stricter base: no thread hand-off)
+        assert k["overhead_vs_caller_steps_ms_p50"] == pytest.approx(
+            k["server_overhead_ms_p50"] - idle["caller_steps_scheduling_overhead_ms_p50"], abs=1e-9)
+    assert 0 < idle["caller_steps_scheduling_overhead_ms_p50"] < 1e3
 
 
 def test_queueing_model_alone_from_a_given_step_cost(tmp_path):
