@@ -6,6 +6,7 @@ runnable in the same turn of the loop share that one step; a prompt longer
 than the budget has its first chunk stepped on the loop and the rest on the
 engine thread, answering like ``prefill_logits``; with the path off, every
 step runs on the engine thread.  The forward records the thread that ran it.
+Either thread makes the engine's GPU its current CUDA device.
 """
 
 from __future__ import annotations
@@ -132,3 +133,19 @@ def test_a_chunked_prompt_starts_on_the_loop_and_ends_on_the_engine_thread(model
         assert threads == ["cpgraph-http"] + ["cpgraph-engine"] * 3, threads
     finally:
         server.stop()
+
+
+def test_both_threads_take_the_engines_gpu_as_their_current_device(model, monkeypatch):
+    """CUDA's current device is per thread and a new thread starts on device 0: a leader on another GPU (a DP
+    group's, cuda:4 of 8) would launch its Triton kernels and capture its graphs on device 0.  Both threads
+    that step the engine set the engine's device first (recorded here through a stand-in ``set_device``)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d)))
+    engine = PrefillEngine(Recorder(model), model, num_pages=64, page_size=PAGE)
+    engine.device = torch.device("cuda", 3)  # only read by the threads' set-up here: nothing is stepped
+    server = PrefillServer(engine, served=("tiny-glm5",)).start_background()
+    try:
+        server.wait_ready()
+    finally:
+        server.stop()
+    assert sorted(calls) == [("cpgraph-engine", torch.device("cuda", 3)), ("cpgraph-http", torch.device("cuda", 3))]
