@@ -42,6 +42,35 @@ def test_idle_phase_reports_each_clients_overheads(tmp_path):
     assert 0 < idle["caller_steps_scheduling_overhead_ms_p50"] < 1e3
 
 
+@pytest.mark.slow
+def test_a_rate_over_several_arrival_draws_pools_its_ttfts(tmp_path):
+    """``--rate-seeds``: the 0.8 x phase over three Poisson draws; the pooled p99 is the p99 of every draw's TTFTs,
+    and the pooled ratio divides it by the unloaded p99."""
+    import numpy as np
+
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--device", "cpu", "--model", "tiny",
+           "--system-len", "32", "64", "--suffix-len", "8", "32", "--requests", "8", "--token-budget", "128",
+           "--threads", "1", "--idle", "2", "--rates", "0.8", "--rate-seeds", "3", "--model-budgets", "128",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    (r,) = report["rates"]
+    assert len(r["draws"]) == 3 and r["pooled"]["requests"] == 24
+    assert r["draws"][0]["ttft_ms"] == r["ttft_ms"]  # the first draw is the phase's own line
+    assert len({tuple(d["ttft_ms"]) for d in r["draws"]}) == 3  # three draws, not one counted thrice
+    for d in r["draws"]:
+        assert len(d["ttft_ms"]) == 8 and d["ttft_ms_p99"] == pytest.approx(np.percentile(d["ttft_ms"], 99))
+    pooled = np.percentile([t for d in r["draws"] for t in d["ttft_ms"]], 99)
+    assert r["pooled"]["ttft_ms_p99"] == pytest.approx(pooled)
+    unloaded = report["idle"]["unloaded_ttft_ms_p99"]
+    assert report["p99_at_0.8_over_unloaded_p99_pooled"] == pytest.approx(r["pooled"]["ttft_ms_p99"] / unloaded)
+    assert len(report["p99_at_0.8_over_unloaded_p99_per_draw"]) == 3
+    assert "over 3 arrival draws: pooled" in proc.stdout
+
+
 def test_queueing_model_alone_from_a_given_step_cost(tmp_path):
     """``--model-cost``: only the queueing model, no model or server; the budgets asked for, in order, and a larger
     budget never saturates lower when every step pays a fixed cost (more tokens share each step's fixed part)."""
