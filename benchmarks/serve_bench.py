@@ -205,8 +205,9 @@ def lean_client_main(url: str, echo: str) -> None:
     the bare server at once, and again around a wait as long as the engine's time; prints the times as JSON."""
     prompts = json.loads(sys.stdin.read())
     server, bare, out = LeanClient(url), LeanClient(echo), []
+    engine_s = 0.0
     for p in prompts:
-        time.sleep(0.002)
+        time.sleep(0.002 + engine_s)  # idle: past the last request's step (the server's settled rule)
         t0 = time.perf_counter()
         status, body = server.post("/v1/completions", {"prompt": p, "max_tokens": 1})
         dt = time.perf_counter() - t0
@@ -316,6 +317,13 @@ def idle_overhead(server, trace, n: int) -> dict:
     eng.reset_cache()
     lean, lean_echo = LeanClient(server.url), LeanClient(echo)
 
+    def rest():
+        """Idle before a request: 2 ms, and at least as long as the last step took (``engine.settled()``: the
+        engine thread has finished that step and its bookkeeping, and the server takes its idle fast path)."""
+        time.sleep(0.002)
+        while not eng.settled():
+            time.sleep(0.0005)
+
     def account(kind, dt, body, fwd):
         engine_s = body["choices"][0]["prefill"]["timings_ms"]["total"] / 1e3
         v[f"{kind}_total"].append(dt)
@@ -326,7 +334,7 @@ def idle_overhead(server, trace, n: int) -> dict:
     async def run():
         async with aiohttp.ClientSession() as s:
             for i in range(n):  # distinct prompts: every request computes its whole prompt
-                time.sleep(0.002)  # idle: the engine thread has finished the step before (its bookkeeping too)
+                rest()
                 f0 = eng.stats.step_seconds
                 t0 = time.perf_counter()
                 handle = eng.submit(engine_request(prompts[3 * i]))
@@ -337,7 +345,7 @@ def idle_overhead(server, trace, n: int) -> dict:
                 v["direct_handoff"].append(dt - t["total"])
                 v["direct_queue"].append(t["queue"])
                 v["direct_in_step"].append(t["prefill"] - t["forward"])
-                time.sleep(0.002)
+                rest()
                 # The in-process API's other form: the caller steps the engine itself (no thread hand-off).
                 f0 = eng.stats.step_seconds
                 t0 = time.perf_counter()
@@ -346,11 +354,11 @@ def idle_overhead(server, trace, n: int) -> dict:
                     eng.step()
                 v["caller_steps_sched"].append(time.perf_counter() - t0 - (eng.stats.step_seconds - f0))
                 eng.sync()  # its radix commit, outside the timing (the engine thread's path commits while idle)
-                time.sleep(0.002)
+                rest()
                 f0 = eng.stats.step_seconds
                 dt, body = await _post(s, server.url, prompts[3 * i + 1])
                 account("aiohttp", dt, body, eng.stats.step_seconds - f0)
-                time.sleep(0.002)
+                rest()
                 f0 = eng.stats.step_seconds
                 t0 = time.perf_counter()
                 status, body = lean.post("/v1/completions", {"prompt": prompts[3 * i + 2], "max_tokens": 1})
@@ -366,12 +374,12 @@ def idle_overhead(server, trace, n: int) -> dict:
                 lean_echo.post("/echo", {"prompt": prompts[3 * i + 2], "max_tokens": 1})
                 v["lean_floor"].append(time.perf_counter() - t0)
                 wait = v["forward"][-1]  # the same hand-off after an idle wait, around a sleep as long as the forward
-                time.sleep(0.002)
+                rest()
                 t0 = time.perf_counter()
                 async with s.post(echo, json={"prompt": prompts[3 * i + 1], "max_tokens": 1, "wait_s": wait}) as resp:
                     await resp.json()
                 v["aiohttp_handoff_floor"].append(time.perf_counter() - t0 - wait)
-                time.sleep(0.002)
+                rest()
                 t0 = time.perf_counter()
                 lean_echo.post("/echo", {"prompt": prompts[3 * i + 2], "max_tokens": 1, "wait_s": wait})
                 v["lean_handoff_floor"].append(time.perf_counter() - t0 - wait)

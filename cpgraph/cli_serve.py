@@ -128,8 +128,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "instead of derived from the row and prefix buckets")
     s.add_argument("--engine-thread-only", action="store_true",
                    help="every step on the engine thread: no idle fast path (a request that finds the engine idle "
-                        "otherwise has its first step run on the event loop, saving two thread wake-ups; the loop "
-                        "then answers nothing else for that step) (docs/serve.md)")
+                        "for longer than its last step took otherwise has its first step run on the event loop, "
+                        "saving two thread wake-ups; the loop then answers nothing else for that step) "
+                        "(docs/serve.md)")
     s.add_argument("--timeout", type=float, default=600.0,
                    help="with --cp: seconds the rendezvous and each collective may wait (default 600)")
     s.add_argument("--quiet", action="store_true",

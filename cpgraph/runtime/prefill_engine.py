@@ -195,6 +195,8 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
         # (the engine thread blocks instead of holding the GIL).  Under CP every rank commits in its step.
         self.commit_delay = 1e-3
         self._pending: list[_Live] = []  # answered, pages not yet committed (leader, cp_size == 1)
+        # When the last step that ran a batch ended, and how long it took (time.monotonic): see settled().
+        self._last_batch_end, self._last_batch_s = float("-inf"), 0.0
         # A CP forward over CUDA-graph buckets (``graphed_forward(..., cp_size=cp)``) plans its own batches:
         # under CP the gathered coordinates move with M, so M must be a row bucket (docs/cuda_graphs.md).
         # One device keeps the plain plan (the runner pads rows itself; no second planning per step).
@@ -295,6 +297,15 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
         with self._lock:
             return not (self._inbox or self._cancels or len(self.scheduler))
 
+    def settled(self) -> bool:
+        """Idle, and for at least as long as the last step that ran a batch took.
+
+        Why: a request arriving then is unlikely to have company in the next step's time, so a server may run
+        its step on the thread that received it (docs/serve.md, the idle fast path).  A request arriving
+        right after a step -- the next of a busy period, as in a closed loop -- is not: its step belongs on the
+        engine thread, so the server keeps reading the requests behind it while the forward runs."""
+        return self.idle() and time.monotonic() - self._last_batch_end >= self._last_batch_s
+
     def wait_for_work(self, timeout: float) -> bool:
         """Block until something is queued (or ``timeout`` seconds pass); True if there is work.
 
@@ -370,6 +381,7 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
             self._step_lock.release()
 
     def _step(self) -> list[RequestHandle]:
+        t0 = time.monotonic()
         self._flush_commits()  # the last step's answered requests: their pages into the cache before any admission
         finished: list[RequestHandle] = []
         with self._lock:
@@ -420,6 +432,8 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
             self._broadcast(ops)
         if batch:
             finished += self._run(run[1])
+            self._last_batch_end = time.monotonic()
+            self._last_batch_s = self._last_batch_end - t0
         return finished
 
     def fail_all(self, error: str) -> None:

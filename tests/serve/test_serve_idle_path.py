@@ -149,3 +149,24 @@ def test_both_threads_take_the_engines_gpu_as_their_current_device(model, monkey
     finally:
         server.stop()
     assert sorted(calls) == [("cpgraph-engine", torch.device("cuda", 3)), ("cpgraph-http", torch.device("cuda", 3))]
+
+
+def test_a_request_right_after_a_step_goes_to_the_engine_thread(model):
+    """``settled``: idle for at least as long as the last step took.  The next request of a busy period (here: the
+    last step is made to look an hour long, so no gap after it is long enough) is stepped on the engine thread,
+    and once the engine has settled the path is taken again."""
+    server, rec = _server(model)
+    try:
+        engine = server.engine
+        prompts = _prompts([24, 24, 24], 4)
+        assert post(server.url, {"prompt": prompts[0]})[0] == 200
+        assert engine._last_batch_s > 0  # the step that ran the first request was timed
+        engine._last_batch_s = 3600.0
+        assert engine.idle() and not engine.settled()
+        assert post(server.url, {"prompt": prompts[1]})[0] == 200
+        engine._last_batch_end = float("-inf")  # long ago
+        assert engine.settled()
+        assert post(server.url, {"prompt": prompts[2]})[0] == 200
+        assert [t for t, _ in rec.calls] == ["cpgraph-http", "cpgraph-engine", "cpgraph-http"], rec.calls
+    finally:
+        server.stop()
