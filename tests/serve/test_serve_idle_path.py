@@ -164,6 +164,7 @@ def test_a_request_right_after_a_step_goes_to_the_engine_thread(model):
         engine._last_batch_s = 3600.0
         assert engine.idle() and not engine.settled()
         assert post(server.url, {"prompt": prompts[1]})[0] == 200
+        engine.sync()  # the engine thread's step ends after its answer: wait for it (it stamps its end time last)
         engine._last_batch_end = float("-inf")  # long ago
         assert engine.settled()
         assert post(server.url, {"prompt": prompts[2]})[0] == 200
