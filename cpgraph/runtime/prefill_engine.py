@@ -197,6 +197,7 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
         self._pending: list[_Live] = []  # answered, pages not yet committed (leader, cp_size == 1)
         # When the last step that ran a batch ended, and how long it took (time.monotonic): see settled().
         self._last_batch_end, self._last_batch_s = float("-inf"), 0.0
+        self._stepping = False  # a step is running (its answers go out before it stamps its end time)
         # A CP forward over CUDA-graph buckets (``graphed_forward(..., cp_size=cp)``) plans its own batches:
         # under CP the gathered coordinates move with M, so M must be a row bucket (docs/cuda_graphs.md).
         # One device keeps the plain plan (the runner pads rows itself; no second planning per step).
@@ -304,7 +305,8 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
         its step on the thread that received it (docs/serve.md, the idle fast path).  A request arriving
         right after a step -- the next of a busy period, as in a closed loop -- is not: its step belongs on the
         engine thread, so the server keeps reading the requests behind it while the forward runs."""
-        return self.idle() and time.monotonic() - self._last_batch_end >= self._last_batch_s
+        return (not self._stepping and self.idle()
+                and time.monotonic() - self._last_batch_end >= self._last_batch_s)
 
     def wait_for_work(self, timeout: float) -> bool:
         """Block until something is queued (or ``timeout`` seconds pass); True if there is work.
@@ -353,7 +355,7 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
         if not self.is_leader:
             raise RuntimeError("PrefillEngine.step runs on the leader (rank 0); other ranks call follow()")
         with self._step_lock:  # a reset_cache from another thread waits for the step (its commits come after answers)
-            return self._step()
+            return self._stepped()
 
     def try_step(self) -> list[RequestHandle] | None:
         """:meth:`step` unless another thread is stepping now (then ``None`` at once, nothing done).
@@ -366,7 +368,7 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
         if not self._step_lock.acquire(blocking=False):
             return None
         try:
-            return self._step()
+            return self._stepped()
         finally:
             self._step_lock.release()
 
@@ -379,6 +381,13 @@ class PrefillEngine(_OpLog, _L3Phase, _Admission):
             return True
         finally:
             self._step_lock.release()
+
+    def _stepped(self) -> list[RequestHandle]:
+        self._stepping = True
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
 
     def _step(self) -> list[RequestHandle]:
         t0 = time.monotonic()

@@ -171,3 +171,18 @@ def test_a_request_right_after_a_step_goes_to_the_engine_thread(model):
         assert [t for t, _ in rec.calls] == ["cpgraph-http", "cpgraph-engine", "cpgraph-http"], rec.calls
     finally:
         server.stop()
+
+
+def test_the_engine_is_not_settled_while_a_step_answers(model):
+    """A step answers its requests before it stamps its end: a request sent from an answer's callback (a client
+    that replies at once) must not find the engine settled on the previous step's stamp."""
+    engine = PrefillEngine(Recorder(model), model, num_pages=64, page_size=PAGE)
+    seen = []
+    from cpgraph.runtime.prefill_engine import engine_request
+
+    assert engine.settled()  # nothing has run yet
+    h = engine.submit(engine_request(_prompts([20], 5)[0]), wake=False)
+    assert not engine.settled()  # queued
+    h.add_done_callback(lambda h: seen.append((engine.idle(), engine.settled())))
+    engine.step()
+    assert h.done() and seen == [(True, False)], seen
