@@ -11,19 +11,21 @@ finds the engine settled -- nothing queued or admitted, and idle for at least
 as long as its last step took (``PrefillEngine.settled``) -- has its first
 step run on the event loop itself, right after every handler made runnable
 in the same turn of the loop has submitted (they share the step), and the
-engine thread is not woken.  A request that comes right after a step (the
-next of a busy period) goes to the engine thread as before, so the loop
-keeps reading the requests behind it while the forward runs: taken then,
-the path would put the HTTP work of a busy period in series with its
-forwards (a closed loop of clients lost 12 % of its throughput so).  At idle the two thread wake-ups of the
-hand-off (loop to engine thread, and back) are most of what serving adds to a
-request on a virtualised host (docs/serve.md); this path has none.  What it
-costs: the loop answers nothing else for the length of that one step (a
-health check or a new request waits at most one step, as a new request would
-for the engine thread's step anyway).  Whatever is left after it (chunks, or
-requests that arrived meanwhile) goes to the engine thread.  A client that disconnects
-cancels its handler (``handler_cancellation``), which cancels its requests:
-their pages are freed at the next step boundary.
+engine thread is not woken.  At idle the two thread wake-ups of the hand-off
+(loop to engine thread, and back) are most of what serving adds to a request
+on a virtualised host (docs/serve.md); this path has none.  What it costs:
+the loop answers nothing else for the length of that one step (a health
+check or a new request waits at most one step, as a new request would for
+the engine thread's step anyway).  Whatever is left after it (chunks, or
+requests that arrived meanwhile) goes to the engine thread.  A request that
+comes right after a step (the next of a busy period) goes to the engine
+thread too, so the loop keeps reading the requests behind it while the
+forward runs: taken then, the path would put the HTTP work of a busy period
+in series with its forwards (a closed loop of clients lost 12 % of its
+throughput so).
+
+A client that disconnects cancels its handler (``handler_cancellation``),
+which cancels its requests: their pages are freed at the next step boundary.
 
 Lifecycle: the server listens at once and answers ``/health`` with 503 until
 the engine thread has run its warm-up (the first forward compiles), then
